@@ -1,0 +1,478 @@
+"""Score a model or a checkpoint on math benchmarks: greedy pass@1, or avg@n and pass@k.
+
+    python eval.py                                    # bundled tiny model, tiny task, CPU, offline
+    python eval.py --model runs/<run>/checkpoint-200  # a checkpoint saved by grpo.py / dapo.py / tepo.py
+    python eval.py --model Qwen2.5-Math-1.5B --benchmarks math500,aime24,amc23,minerva,olympiadbench,gsm8k
+    python eval.py --model Qwen2.5-Math-1.5B --benchmarks aime24,amc23 \\
+        --n 16 --temperature 0.6 --top-p 0.95 --pass-k 1,4,16
+    python eval.py --model Qwen2.5-Math-1.5B --benchmarks my.jsonl \\
+        --problem-column question --answer-column answer
+
+Per benchmark: prompts go through the template (common.build_prompt); Hugging Face `generate` runs
+batches of similar-length prompts (left padding) and stops on every EOS id the model uses (tokenizer
+EOS, generation_config EOS list, `<|im_end|>`); common.grade checks the last \\boxed{} against the
+gold answer with math-verify (gold first, time-bounded, never eval()).
+
+Metrics: greedy (the default, --temperature 0) gives `greedy_pass@1`; sampling (--temperature > 0,
+--n N) gives `avg@N` (mean accuracy over all samples) and `pass@k` for each k <= N in --pass-k, with
+the unbiased estimator 1 - C(N-c, k) / C(N, k) (Chen et al. 2021). Always: `accuracy` (mean over
+samples), unparsed (no \\boxed{} answer math-verify could parse), truncated (no EOS in budget).
+
+Context: prompt tokens + --max-new-tokens must fit max_position_embeddings. Every prompt of every
+benchmark is checked before anything is generated, and one that does not fit is an error saying how
+far to lower --max-new-tokens (nothing is silently dropped, so scores stay comparable).
+
+Defaults follow the model: the tiny model, and checkpoints trained from it (same architecture in
+config.json), get --benchmarks tiny --template tiny --max-new-tokens 48; anything else gets math500,
+qwen_math and 3000 (Qwen2.5-Math has a 4096-token context).
+
+Outputs in --output-dir (default runs/eval/<model-name>/); <tag> is `greedy` or e.g. `n16-t0.6-p0.95`:
+    <benchmark>.<tag>.json    model, benchmark, metrics, decoding settings, grader version, date, counts
+    <benchmark>.<tag>.jsonl   one row per sample: problem, gold, completion, extracted answer, correct
+    results.<tag>.md          the markdown table printed at the end
+--resume keeps the rows already in <benchmark>.<tag>.jsonl (same problem at the same position) and
+generates only the rest; it assumes the --template and --max-new-tokens of the run it resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from common import (TEMPLATES, TINY_MODEL_DIR, UserError, build_prompt, git_commit, grade,
+                    load_problems, resolve_device, resolve_model_name, seed_everything)
+
+
+# =====================================================================================
+# Benchmarks: short name -> where it lives on the hub and which columns hold what
+# =====================================================================================
+@dataclass(frozen=True)
+class Benchmark:
+    hub_id: str
+    config: str | None
+    split: str
+    problem_column: str
+    answer_column: str
+
+
+BENCHMARKS = {
+    "math500": Benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
+    "aime24": Benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),
+    "amc23": Benchmark("math-ai/amc23", None, "test", "question", "answer"),
+    "minerva": Benchmark("math-ai/minervamath", None, "test", "question", "answer"),
+    "olympiadbench": Benchmark("math-ai/olympiadbench", None, "test", "question", "final_answer"),
+    "gsm8k": Benchmark("openai/gsm8k", "main", "test", "question", "answer"),
+}
+KNOWN = ", ".join(["tiny", *BENCHMARKS])
+SUBSET_SEED = 0  # --limit picks the same problems whatever --seed is, so runs stay comparable
+
+
+@dataclass
+class Args:
+    model: str = field(default="tiny", metadata={"help": "'tiny' (the bundled model), a checkpoint "
+                       "folder such as runs/<run>/checkpoint-N, a hub id, or a short Qwen name such "
+                       "as Qwen2.5-Math-1.5B"})
+    benchmarks: str | None = field(default=None, metadata={"help": f"comma-separated list of: {KNOWN}, "
+                                   "a .jsonl/.json/.parquet file, or a hub dataset id (org/name). "
+                                   "Default: tiny for the tiny model, else math500"})
+    split: str = field(default="test", metadata={"help": "split of a hub dataset id given in "
+                       "--benchmarks (the named benchmarks know their own)"})
+    problem_column: str | None = field(default=None, metadata={"help": "problem column of a file or "
+                                       "hub dataset id in --benchmarks; unset means 'problem'"})
+    answer_column: str | None = field(default=None, metadata={"help": "gold-answer column of a file "
+                                      "or hub dataset id in --benchmarks; unset means 'answer'"})
+    limit: int | None = field(default=None, metadata={"help": "evaluate a fixed random subset of this "
+                              "many problems per benchmark (default: all)"})
+    template: str | None = field(default=None, metadata={"help": f"prompt template, one of "
+                                 f"{', '.join(TEMPLATES)} (default: tiny for the tiny model, else qwen_math)"})
+    n: int = field(default=1, metadata={"help": "samples per problem (needs --temperature > 0 when > 1)"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy decoding; > 0 = sampling"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold (sampling only)"})
+    pass_k: str = field(default="1,2,4,8,16,32,64,128,256", metadata={"help": "k values for pass@k; "
+                        "only those <= --n are reported"})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "generation budget per sample "
+                                       "(default: 48 for the tiny model, else 3000)"})
+    batch_size: int = field(default=64, metadata={"help": "prompts per generate() call"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 "
+                       "or fp32"})
+    seed: int = field(default=0, metadata={"help": "seed for sampling (reset before each benchmark)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub"})
+    output_dir: str | None = field(default=None, metadata={"help": "where results go (default: "
+                                   "runs/eval/<model-name>/)"})
+    resume: bool = field(default=False, metadata={"help": "keep samples already in the JSONL of an "
+                         "earlier run with the same decoding tag and generate only the rest"})
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def clean_gold(value, benchmark: str) -> str:
+    """Gold answers come as strings, numbers or lists; math-verify wants one LaTeX string."""
+    if isinstance(value, (list, tuple)):  # olympiadbench: a list, several items for multi-answer problems
+        return ", ".join(clean_gold(v, benchmark) for v in value)
+    if isinstance(value, float) and value.is_integer():  # 27.0 -> 27
+        value = int(value)
+    text = str(value).strip()
+    if benchmark == "gsm8k":  # a worked solution ending in '#### 1,234'
+        text = text.split("####")[-1].strip().replace(",", "")
+    while len(text) >= 2 and text[0] == text[-1] == "$":  # olympiadbench writes '$x=3$'
+        text = text[1:-1].strip()
+    return text
+
+
+def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
+    """(label used in file names, where it came from, [{'problem', 'answer'}])."""
+    if name == "tiny":  # the held-out split of the tiny task, always the same problems
+        return "tiny", "common.tiny_task('test')", load_problems("tiny", "test", limit=args.limit)
+    import datasets  # heavy, so only imported once a hub or file data set is asked for
+
+    datasets.disable_progress_bars()  # benchmarks are small; the bars would only clutter stderr
+    if name in BENCHMARKS:
+        b = BENCHMARKS[name]
+        try:
+            ds = datasets.load_dataset(b.hub_id, b.config, split=b.split)
+        except Exception as e:  # offline, renamed, gated: one line, not a traceback
+            raise UserError(f"cannot load benchmark {name!r} ({b.hub_id}, split {b.split!r}): "
+                            f"{first_line(e)}") from None
+        missing = [c for c in (b.problem_column, b.answer_column) if c not in ds.column_names]
+        if missing:
+            raise UserError(f"benchmark {name!r} ({b.hub_id}) has no column {missing[0]!r} "
+                            f"(columns: {', '.join(ds.column_names)})")
+        rows = [{"problem": str(p), "answer": clean_gold(a, name)}
+                for p, a in zip(ds[b.problem_column], ds[b.answer_column])]
+        rows = [r for r in rows if r["problem"].strip() and r["answer"]]
+        if not rows:
+            raise UserError(f"benchmark {name!r} ({b.hub_id}) has no rows with a problem and an answer")
+        if args.limit is not None and args.limit < len(rows):
+            rows = random.Random(SUBSET_SEED).sample(rows, args.limit)
+        return name, f"{b.hub_id} ({b.split})", rows
+    path = Path(name).expanduser()
+    if path.suffix in (".jsonl", ".json", ".parquet") or "/" in name:  # a file or a hub id
+        rows = load_problems(name, args.split, args.problem_column, args.answer_column,
+                             limit=args.limit, seed=SUBSET_SEED)
+        label = path.stem if path.suffix else name.replace("/", "__")
+        return label, name if path.suffix else f"{name} ({args.split})", rows
+    raise UserError(f"unknown benchmark {name!r}; known: {KNOWN}, or a .jsonl/.json/.parquet file")
+
+
+# =====================================================================================
+# Model
+# =====================================================================================
+def is_tiny_family(model_path: str) -> bool:
+    """The bundled tiny model, or a checkpoint trained from it (same architecture in config.json)."""
+    if Path(model_path).resolve() == TINY_MODEL_DIR.resolve():
+        return True
+    ref, cfg = TINY_MODEL_DIR / "config.json", Path(model_path) / "config.json"
+    if not (ref.is_file() and cfg.is_file()):
+        return False
+    a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
+    return all(a.get(k) == b.get(k) for k in ("model_type", "vocab_size", "hidden_size",
+                                              "num_hidden_layers"))
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+              "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in dtypes:
+        raise UserError(f"unknown --dtype {name!r}; use auto, bf16, fp16 or fp32")
+    return dtypes[name]
+
+
+def round_trips(tok) -> bool:
+    probe = "12 + 3 = 15\n\\boxed{15}"
+    return tok.decode(tok(probe, add_special_tokens=False)["input_ids"]) == probe
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, padding_side="left",
+                                            trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # missing folder, unknown hub id, offline, remote code
+        hint = " (the bundled tiny model is not built yet?)" if Path(path) == TINY_MODEL_DIR else ""
+        raise UserError(f"cannot load model {path!r}{hint}: {first_line(e)}") from None
+    if not round_trips(tok):
+        # e.g. transformers 5 loads every qwen2 folder with Qwen2Tokenizer (byte-level BPE), which
+        # silently drops the newlines and spaces of a char-level WordLevel tokenizer.json
+        print(f"warning: the tokenizer of {path} ({type(tok).__name__}) does not round-trip text; "
+              f"prompts may not be what the model was trained on", file=sys.stderr)
+    return model.to(device).eval(), tok
+
+
+def stop_token_ids(tok, model) -> list[int]:
+    """Every id that ends a completion: Qwen2.5-Math ends text with <|endoftext|> and chat turns
+    with <|im_end|>, and a base model may emit either."""
+    ids = {tok.eos_token_id}
+    gen_eos = model.generation_config.eos_token_id
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    if "<|im_end|>" in tok.get_vocab():
+        ids.add(tok.convert_tokens_to_ids("<|im_end|>"))
+    ids.discard(None)
+    if not ids:
+        raise UserError("the model's tokenizer and generation config name no EOS token")
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def generate(model, tok, prompt_ids: list[list[int]], stop_ids: list[int]):
+    """One batch -> [(completion text, completion tokens up to and including EOS, truncated)],
+    decoded with model.generation_config (which evaluate() sets)."""
+    enc = tok.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(model.device)
+    out = model.generate(**enc, generation_config=model.generation_config)
+    stop, results = set(stop_ids), []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        # Cut at the first EOS by position: after it come pad ids, which may equal EOS.
+        end = next((j for j, t in enumerate(row) if t in stop), None)
+        n_tok = len(row) if end is None else end + 1
+        results.append((tok.decode(row[:n_tok], skip_special_tokens=True), n_tok, end is None))
+    return results
+
+
+# =====================================================================================
+# Metrics
+# =====================================================================================
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), written as a
+    product so large n neither overflows nor loses precision (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def compute_metrics(rows: list[dict], n_problems: int, n: int, ks: list[int], greedy: bool) -> dict:
+    correct = defaultdict(int)
+    for r in rows:
+        correct[r["idx"]] += bool(r["correct"])
+    acc = sum(correct.values()) / len(rows)
+    m = {"accuracy": acc}
+    if greedy:
+        m["greedy_pass@1"] = acc
+    else:
+        m[f"avg@{n}"] = acc
+        for k in (k for k in ks if k <= n):
+            m[f"pass@{k}"] = sum(pass_at_k(n, correct[i], k) for i in range(n_problems)) / n_problems
+    m["unparsed"] = sum(not r["parsed"] for r in rows)
+    m["unparsed_frac"] = m["unparsed"] / len(rows)
+    m["truncated_frac"] = sum(r["truncated"] for r in rows) / len(rows)
+    m["mean_completion_tokens"] = sum(r["tokens"] for r in rows) / len(rows)
+    return m
+
+
+def markdown_table(results: list[dict]) -> str:
+    keys = [k for k in results[0]["metrics"] if k.startswith(("greedy_pass@", "avg@", "pass@"))]
+    lines = ["| benchmark | problems | " + " | ".join(keys) + " | unparsed | truncated | tokens |",
+             "|---" * (len(keys) + 5) + "|"]
+
+    def row(label, problems, ms):
+        cells = [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}" for k in keys]
+        cells += [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}%" for k in ("unparsed_frac", "truncated_frac")]
+        cells.append(f"{sum(m['mean_completion_tokens'] for m in ms) / len(ms):.0f}")
+        return f"| {label} | {problems} | " + " | ".join(cells) + " |"
+
+    for r in results:
+        lines.append(row(r["benchmark"], r["n_problems"], [r["metrics"]]))
+    if len(results) > 1:  # unweighted mean over benchmarks, as papers report it
+        lines.append(row("mean", sum(r["n_problems"] for r in results), [r["metrics"] for r in results]))
+    return "\n".join(lines)
+
+
+# =====================================================================================
+# One benchmark: resume, generate, grade, write
+# =====================================================================================
+def read_done(path: Path, problems: list[dict], n: int) -> list[dict]:
+    """Rows of an earlier run that still match: same problem and gold at the same position."""
+    if not path.is_file():
+        return []
+    keep = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a run that was killed mid-write
+            continue
+        i, s = r.get("idx"), r.get("sample")
+        if (isinstance(i, int) and 0 <= i < len(problems) and isinstance(s, int) and 0 <= s < n
+                and problems[i]["problem"] == r.get("problem") and problems[i]["answer"] == r.get("gold")):
+            keep[(i, s)] = r
+    return list(keep.values())
+
+
+def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: list[list[int]],
+                  model, tok, args: Args, settings: dict, stem: Path) -> dict:
+    samples_path = Path(f"{stem}.jsonl")
+    rows = read_done(samples_path, problems, args.n) if args.resume else []
+    with open(samples_path, "w") as f:  # rewritten: only the rows that still count stay
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    done = {(r["idx"], r["sample"]) for r in rows}
+    todo = [(i, s) for i in range(len(problems)) for s in range(args.n) if (i, s) not in done]
+    if rows:
+        print(f"{label}: resuming, {len(rows)} samples done, {len(todo)} to go")
+    # Longest prompts first: similar lengths share a batch (little padding), and running out of
+    # memory happens in the first batch rather than an hour in.
+    todo.sort(key=lambda t: (-len(prompt_ids[t[0]]), t))
+
+    seed_everything(args.seed)
+    decoding, t0, n_tokens, n_correct = settings["decoding"], time.time(), 0, 0
+    bar = tqdm(total=len(todo), desc=label, dynamic_ncols=True)
+    with open(samples_path, "a") as f:
+        for start in range(0, len(todo), args.batch_size):
+            batch = todo[start:start + args.batch_size]
+            outs = generate(model, tok, [prompt_ids[i] for i, _ in batch], decoding["stop_token_ids"])
+            for (i, s), (text, n_tok, truncated) in zip(batch, outs):
+                g = grade(text, problems[i]["answer"])
+                row = {"idx": i, "sample": s, "problem": problems[i]["problem"],
+                       "gold": problems[i]["answer"], "completion": text, "pred": g.pred,
+                       "parsed": g.parsed, "correct": g.correct, "tokens": n_tok, "truncated": truncated}
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                n_tokens, n_correct = n_tokens + n_tok, n_correct + g.correct
+            f.flush()  # a crash loses at most one batch; --resume picks up from here
+            bar.update(len(batch))
+            bar.set_postfix(acc=f"{n_correct / (start + len(batch)):.3f}",
+                            tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
+    bar.close()
+
+    result = {
+        "model": settings["model"], "model_arg": args.model, "benchmark": label, "source": source,
+        "n_problems": len(problems), "n_samples_per_problem": args.n, "n_samples": len(rows),
+        "metrics": compute_metrics(rows, len(problems), args.n, settings["ks"], decoding["greedy"]),
+        "decoding": decoding, "grader": f"math-verify {version('math-verify')}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+        "limit": args.limit, "elapsed_s": round(time.time() - t0, 2), "samples_file": str(samples_path),
+    }
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# =====================================================================================
+# Main
+# =====================================================================================
+def model_label(model_arg: str, model_path: str) -> str:
+    """Folder name under runs/eval/: 'tiny', '<run>-checkpoint-N', or the hub name."""
+    if model_arg == "tiny":
+        return "tiny"
+    p = Path(model_path)
+    if p.exists():
+        p = p.resolve()
+        return f"{p.parent.name}-{p.name}" if p.name.startswith("checkpoint") else p.name
+    return model_path.rstrip("/").split("/")[-1]
+
+
+def evaluate(args: Args) -> list[dict]:
+    model_path = resolve_model_name(args.model)
+    tiny = is_tiny_family(model_path)
+    names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",") if b.strip()]
+    template = args.template or ("tiny" if tiny else "qwen_math")
+    max_new = args.max_new_tokens or (48 if tiny else 3000)
+    greedy = args.temperature == 0
+    try:
+        ks = sorted({int(k) for k in args.pass_k.split(",") if k.strip()})
+    except ValueError:
+        raise UserError(f"--pass-k must be comma-separated integers, got {args.pass_k!r}") from None
+    if template not in TEMPLATES or not names:
+        raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}"
+                        if names else f"--benchmarks is empty; known: {KNOWN}")
+    if min(args.n, args.batch_size, max_new, *ks, 1 if args.limit is None else args.limit) < 1:
+        raise UserError("--n, --batch-size, --max-new-tokens, --limit and --pass-k values must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if greedy and args.n > 1:
+        raise UserError("--n > 1 with greedy decoding gives n identical samples; set --temperature > 0")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+
+    # Data before the model: a typo in a benchmark name should not cost a model load.
+    benches = [load_benchmark(name, args) for name in names]
+    model, tok = load_model(model_path, device, dtype, args.trust_remote_code)
+    stop_ids = stop_token_ids(tok, model)
+    if tok.pad_token_id is None:  # left padding needs some id; the attention mask hides it
+        tok.pad_token = tok.convert_ids_to_tokens(stop_ids[0])
+
+    # Every prompt of every benchmark is tokenized and checked against the context up front.
+    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    all_ids = []
+    for label, _, problems in benches:
+        texts = [build_prompt(tok, p["problem"], template) for p in problems]
+        # A chat template may already write the BOS token; do not add a second one.
+        add_special = not (tok.bos_token and texts[0].startswith(tok.bos_token))
+        ids = tok(texts, add_special_tokens=add_special)["input_ids"]
+        longest = max(len(x) for x in ids)
+        if max_pos is not None and longest + max_new > max_pos:
+            over = sum(len(x) + max_new > max_pos for x in ids)
+            fix = (f"use --max-new-tokens {max_pos - longest} or less" if max_pos > longest
+                   else "the prompt alone is too long for this model")
+            raise UserError(f"{over} prompt(s) of {label} do not fit the context: {longest} prompt "
+                            f"tokens + --max-new-tokens {max_new} > max_position_embeddings "
+                            f"{max_pos}; {fix}")
+        all_ids.append(ids)
+
+    from transformers import GenerationConfig
+
+    # The model's own generation defaults are replaced, not merged (Qwen ships top_k, and some
+    # models a repetition penalty), so what runs is exactly what the results JSON records.
+    gen_config = GenerationConfig(max_new_tokens=max_new, do_sample=not greedy,
+                                  temperature=None if greedy else args.temperature,
+                                  top_p=None if greedy else args.top_p, top_k=None if greedy else 0,
+                                  eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
+    model.generation_config = gen_config  # generate() decodes with this
+    settings = {"model": model_path, "ks": ks, "decoding": {
+        "greedy": greedy, "n": args.n, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": None if greedy else 0, "max_new_tokens": max_new, "template": template,
+        "seed": args.seed, "batch_size": args.batch_size, "stop_token_ids": stop_ids,
+        "tokenizer": type(tok).__name__,
+        "dtype": str(dtype).removeprefix("torch."), "device": str(device)}}
+
+    out_dir = Path(args.output_dir) if args.output_dir else Path("runs/eval") / model_label(args.model, model_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = "greedy" if greedy else f"n{args.n}-t{args.temperature:g}-p{args.top_p:g}"
+    print(f"model {model_path} on {device} ({settings['decoding']['dtype']}), template {template}, "
+          f"{tag}, max {max_new} new tokens -> {out_dir}")
+    results = [run_benchmark(label, source, problems, ids, model, tok, args, settings,
+                             out_dir / f"{label}.{tag}")
+               for (label, source, problems), ids in zip(benches, all_ids)]
+
+    table = markdown_table(results)
+    (out_dir / f"results.{tag}.md").write_text(table + "\n")
+    print(f"\n{model_path} ({tag}, grader math-verify {version('math-verify')})\n\n{table}")
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        evaluate(args)
+    except UserError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

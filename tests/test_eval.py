@@ -1,0 +1,426 @@
+"""eval.py: pass@k, grading through common.grade, an end-to-end run on a tiny model, --resume,
+and one-line errors. CPU only, offline; about half a minute."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+import eval as ev  # noqa: E402  (eval.py; the module name only shadows the builtin inside `ev.`)
+from common import UserError, grade, tiny_task  # noqa: E402
+
+
+# =====================================================================================
+# pass@k
+# =====================================================================================
+def test_pass_at_k_hand_values():
+    assert ev.pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert ev.pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert ev.pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is c/n
+    assert ev.pass_at_k(8, 0, 4) == 0.0  # no correct sample
+    assert ev.pass_at_k(8, 8, 4) == 1.0  # all correct
+    assert ev.pass_at_k(4, 0, 4) == 0.0  # n = k
+    assert ev.pass_at_k(4, 1, 4) == 1.0  # n = k, one correct
+    assert ev.pass_at_k(4, 2, 3) == 1.0  # n - c < k
+    for n, c, k in [(16, 3, 4), (64, 10, 8), (200, 7, 32)]:  # against the binomial formula
+        assert ev.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+    # large n stays finite and exact to float precision
+    assert ev.pass_at_k(100_000, 1, 1) == pytest.approx(1e-5)
+    with pytest.raises(ValueError):
+        ev.pass_at_k(4, 1, 5)  # k > n
+
+
+def test_compute_metrics_by_hand():
+    def row(i, s, correct, parsed=True, tokens=10, truncated=False):
+        return {"idx": i, "sample": s, "correct": correct, "parsed": parsed, "tokens": tokens,
+                "truncated": truncated}
+
+    # problem 0: 1 of 2 correct; problem 1: 0 of 2, one unparsed and truncated
+    rows = [row(0, 0, True), row(0, 1, False), row(1, 0, False),
+            row(1, 1, False, parsed=False, tokens=30, truncated=True)]
+    m = ev.compute_metrics(rows, n_problems=2, n=2, ks=[1, 2, 4], greedy=False)
+    assert m["avg@2"] == m["accuracy"] == 0.25
+    assert m["pass@1"] == pytest.approx(0.25)
+    assert m["pass@2"] == pytest.approx(0.5)  # (1 + 0) / 2
+    assert "pass@4" not in m  # k > n is not reported
+    assert m["unparsed"] == 1 and m["unparsed_frac"] == 0.25 and m["truncated_frac"] == 0.25
+    assert m["mean_completion_tokens"] == 15
+    g = ev.compute_metrics([row(0, 0, True), row(1, 0, False)], 2, 1, [1], greedy=True)
+    assert g["greedy_pass@1"] == 0.5 and "avg@1" not in g
+
+
+def test_clean_gold():
+    assert ev.clean_gold(["$\\frac{1}{2}$"], "olympiadbench") == "\\frac{1}{2}"
+    assert ev.clean_gold(["$3$", "$-1$"], "olympiadbench") == "3, -1"
+    assert ev.clean_gold("She pays 3 * 4 = 12.\n#### 1,234", "gsm8k") == "1234"
+    assert ev.clean_gold(27.0, "amc23") == "27"
+    assert ev.clean_gold(" \\$5 ", "math500") == "\\$5"  # an escaped dollar is not a math delimiter
+
+
+def test_named_benchmarks_read_their_columns(monkeypatch):
+    """Offline stand-ins with the hub layouts (olympiadbench's final_answer is a list of
+    '$...$' strings, gsm8k's answer a worked solution, amc23's answer a float)."""
+    import datasets
+
+    tables = {
+        "math-ai/olympiadbench": {"question": ["Find x.", "Find all y."],
+                                  "final_answer": [["$\\frac{1}{2}$"], ["$1$", "$-1$"]]},
+        "openai/gsm8k": {"question": ["How many?"], "answer": ["2 * 600 = 1200\n#### 1,200"]},
+        "math-ai/amc23": {"question": ["What?"], "answer": [27.0]},
+        "HuggingFaceH4/aime_2024": {"problem": ["P"], "answer": ["073"]},
+        "math-ai/minervamath": {"problem": ["renamed column"], "answer": ["1"]},
+    }
+    asked = []
+
+    def fake_load(path, name=None, split=None):
+        asked.append((path, name, split))
+        return datasets.Dataset.from_dict(tables[path])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    args = ev.Args()
+    assert ev.load_benchmark("olympiadbench", args)[2] == [
+        {"problem": "Find x.", "answer": "\\frac{1}{2}"}, {"problem": "Find all y.", "answer": "1, -1"}]
+    assert ev.load_benchmark("gsm8k", args)[2] == [{"problem": "How many?", "answer": "1200"}]
+    assert ev.load_benchmark("amc23", args)[2] == [{"problem": "What?", "answer": "27"}]
+    assert ev.load_benchmark("aime24", args)[2][0]["answer"] == "073"
+    assert asked[1] == ("openai/gsm8k", "main", "test") and asked[3][2] == "train"
+    with pytest.raises(UserError, match="no column 'question'"):  # the hub layout changed
+        ev.load_benchmark("minerva", args)
+    args.limit = 1
+    assert len(ev.load_benchmark("olympiadbench", args)[2]) == 1
+
+
+# =====================================================================================
+# Grading through common.grade
+# =====================================================================================
+@pytest.mark.parametrize("completion, gold, correct, parsed", [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", True, True),
+    ("\\boxed{10\\%}", "0.1", True, True),
+    ("\\boxed{42}", "42", True, True),
+    ("first \\boxed{41}, no wait: \\boxed{42}", "42", True, True),  # the last box counts
+    ("\\boxed{x^2+1}", "1+x^2", True, True),
+    ("\\boxed{43}", "42", False, True),
+    ("\\boxed{\\frac{1}{3}}", "0.5", False, True),
+    ("the answer is 42", "42", False, False),  # no box: unparsed
+    ("\\boxed{}", "42", False, False),
+])
+def test_grade_cases(completion, gold, correct, parsed):
+    g = grade(completion, gold)
+    assert (g.correct, g.parsed) == (correct, parsed)
+
+
+def test_grade_adversarial_is_bounded_and_never_executes(tmp_path):
+    marker = tmp_path / "pwned"
+    attacks = [f"\\boxed{{__import__('os').system('touch {marker}')}}",
+               f"\\boxed{{exec(\"open('{marker}', 'w')\")}}",
+               "\\boxed{9^{9^{9^{9^{9}}}}}",
+               "\\boxed{" + "{" * 500 + "1" + "}" * 500 + "}"]
+    for text in attacks:
+        t0 = time.time()
+        g = grade(text, "1", timeout_s=2)
+        # gold parse + prediction parse + comparison, each bounded by the timeout
+        assert time.time() - t0 < 3 * 2 + 3, text
+        assert not g.correct
+    assert not marker.exists()
+
+
+def test_grade_bounded_off_the_main_thread():
+    """SIGALRM works only on the main thread; common.grade must still bound the time elsewhere."""
+    out = {}
+
+    def work():
+        t0 = time.time()
+        out["attack"] = grade("\\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=2)
+        out["attack_s"] = time.time() - t0
+        out["normal"] = grade("\\boxed{\\frac{1}{2}}", "0.5", timeout_s=2)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(timeout=60)
+    assert not th.is_alive(), "grade hung off the main thread"
+    assert out["attack_s"] < 3 * 2 + 5 and not out["attack"].correct
+    assert out["normal"].correct  # and it still grades correctly afterwards
+
+
+# =====================================================================================
+# A tiny model to run on
+# =====================================================================================
+def build_random_model(path: Path) -> Path:
+    """A random 2-layer Qwen2 with a byte-level tokenizer (one token per byte), as a
+    save_pretrained folder; it round-trips through AutoTokenizer unchanged."""
+    from tokenizers import pre_tokenizers
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], extra_special_tokens=specials[1:])
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, tie_word_embeddings=True,
+                      bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg)
+    # Qwen-like shipped defaults that eval.py must not inherit (it records its own decoding)
+    model.generation_config = GenerationConfig(eos_token_id=[0, 2], pad_token_id=0, do_sample=True,
+                                               temperature=0.7, top_k=20, repetition_penalty=1.05)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    if (common.TINY_MODEL_DIR / "config.json").is_file():
+        return common.TINY_MODEL_DIR
+    return build_random_model(tmp_path_factory.mktemp("model") / "random-tiny")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine are far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_argv(model_dir, out, *extra):
+    return ["--model", str(model_dir), "--benchmarks", "tiny", "--template", "tiny", "--device", "cpu",
+            "--limit", "16", "--max-new-tokens", "40", "--batch-size", "8",
+            "--output-dir", str(out), *extra]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+# =====================================================================================
+# End to end
+# =====================================================================================
+def test_end_to_end_greedy(model_dir, tmp_path, one_thread):
+    assert ev.main(tiny_argv(model_dir, tmp_path)) == 0
+    res = json.loads((tmp_path / "tiny.greedy.json").read_text())
+    for key in ("model", "benchmark", "metrics", "decoding", "grader", "date", "n_problems",
+                "n_samples", "n_samples_per_problem", "samples_file"):
+        assert key in res, key
+    assert res["benchmark"] == "tiny" and res["n_problems"] == 16 and res["n_samples"] == 16
+    assert res["grader"] == "math-verify " + version("math-verify")
+    datetime.fromisoformat(res["date"])
+    dec = res["decoding"]
+    assert dec["greedy"] is True and dec["n"] == 1 and dec["max_new_tokens"] == 40
+    assert dec["template"] == "tiny" and dec["top_k"] is None and dec["stop_token_ids"]
+    assert dec["tokenizer"] and dec["dtype"] == "float32" and dec["device"] == "cpu"
+    m = res["metrics"]
+    assert set(m) >= {"accuracy", "greedy_pass@1", "unparsed", "unparsed_frac", "truncated_frac",
+                      "mean_completion_tokens"}
+
+    rows = read_jsonl(tmp_path / "tiny.greedy.jsonl")
+    gold = {i: p["answer"] for i, p in enumerate(tiny_task("test", 16))}
+    assert sorted(r["idx"] for r in rows) == list(range(16))
+    assert all(r["sample"] == 0 for r in rows)
+    for r in rows:
+        assert set(r) >= {"problem", "gold", "completion", "pred", "parsed", "correct", "tokens",
+                          "truncated"}
+        assert r["gold"] == gold[r["idx"]]
+        g = grade(r["completion"], r["gold"])
+        assert (g.correct, g.parsed, g.pred) == (r["correct"], r["parsed"], r["pred"])
+        assert 1 <= r["tokens"] <= 40 and (not r["truncated"] or r["tokens"] == 40)
+    assert m["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / 16)
+    assert m["unparsed"] == sum(not r["parsed"] for r in rows)
+    table = (tmp_path / "results.greedy.md").read_text()
+    assert "| tiny | 16 |" in table and "greedy_pass@1" in table
+
+
+def test_loaded_tokenizer_round_trips(model_dir):
+    """The model eval.py runs on keeps every character of a prompt through its tokenizer."""
+    model, tok = ev.load_model(str(model_dir), torch.device("cpu"), torch.float32, False)
+    assert ev.round_trips(tok) and tok.padding_side == "left" and not model.training
+    text = common.build_prompt(tok, "7+5-8", "tiny")
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_round_trip_check_catches_a_char_tokenizer_loaded_as_qwen2(tmp_path):
+    """transformers 5 loads any qwen2 folder with Qwen2Tokenizer, which drops the newlines and
+    spaces of a char-level WordLevel tokenizer.json; eval.py must notice."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+    chars = ["<|endoftext|>", "\n"] + [chr(i) for i in range(32, 127)]
+    raw = Tokenizer(models.WordLevel({t: i for i, t in enumerate(chars)}, unk_token="<|endoftext|>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    assert ev.round_trips(tok)  # as built
+    tok.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(chars)).save_pretrained(tmp_path)
+    assert not ev.round_trips(AutoTokenizer.from_pretrained(tmp_path))  # as transformers reloads it
+
+
+def test_generate_cuts_at_the_first_eos_by_position(model_dir):
+    """Completions end at the first stop id, whichever it is; pad ids after it (equal to EOS in
+    Qwen base models) are not counted; no stop id at all means truncated."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    eos, im_end = tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
+    a, b, c = tok("12", add_special_tokens=False)["input_ids"] + tok("+", add_special_tokens=False)["input_ids"]
+    prompt = [[a, b], [a, b], [a, b]]
+    completions = [[c, a, im_end, b, eos], [c, eos, eos, eos, eos], [c, a, b, c, a]]
+
+    class Stub:  # stands in for the model: returns prompt + fixed completions
+        device, generation_config = torch.device("cpu"), None
+
+        def generate(self, input_ids, attention_mask, generation_config):
+            return torch.cat([input_ids, torch.tensor(completions)], dim=1)
+
+    out = ev.generate(Stub(), tok, prompt, sorted({eos, im_end}))
+    assert out[0] == (tok.decode([c, a]), 3, False)
+    assert out[1] == (tok.decode([c]), 2, False)
+    assert out[2] == (tok.decode([c, a, b, c, a]), 5, True)
+
+
+def test_generation_defaults_are_not_inherited(model_dir, tmp_path, one_thread, monkeypatch):
+    seen = {}
+    real = ev.generate
+
+    def spy(model, tok, prompt_ids, stop_ids):
+        seen["cfg"] = model.generation_config
+        return real(model, tok, prompt_ids, stop_ids)
+
+    monkeypatch.setattr(ev, "generate", spy)
+    argv = tiny_argv(model_dir, tmp_path, "--n", "2", "--temperature", "0.9", "--top-p", "0.8")
+    assert ev.main(argv) == 0
+    cfg = seen["cfg"]
+    assert cfg.do_sample and cfg.temperature == 0.9 and cfg.top_p == 0.8 and cfg.top_k == 0
+    assert cfg.repetition_penalty in (None, 1.0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert set(cfg.eos_token_id) >= {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    assert (tmp_path / "tiny.n2-t0.9-p0.8.jsonl").is_file()
+
+
+def test_metrics_with_an_oracle_generator(model_dir, tmp_path, one_thread, monkeypatch):
+    """Generation replaced by an oracle that is right on the first sample of every problem with
+    an even answer and wrong otherwise: avg@4, pass@k and the JSONL must agree with that."""
+    problems = tiny_task("test", 16)
+    answers = {p["problem"]: p["answer"] for p in problems}
+    calls = {}
+
+    def oracle(model, tok, prompt_ids, stop_ids):
+        out = []
+        for text in tok.batch_decode(prompt_ids, skip_special_tokens=True):
+            problem = max((p for p in answers if p in text), key=len)
+            first = calls.setdefault(problem, 0) == 0
+            calls[problem] += 1
+            ans = int(answers[problem])
+            good = first and ans % 2 == 0
+            out.append((f"so \\boxed{{{ans if good else ans + 1}}}", 7, False))
+        return out
+
+    monkeypatch.setattr(ev, "generate", oracle)
+    argv = tiny_argv(model_dir, tmp_path, "--n", "4", "--temperature", "1", "--pass-k", "1,2,4,8")
+    assert ev.main(argv) == 0
+    res = json.loads((tmp_path / "tiny.n4-t1-p1.json").read_text())
+    even = sum(int(p["answer"]) % 2 == 0 for p in problems)
+    assert 0 < even < 16
+    m = res["metrics"]
+    assert m["avg@4"] == pytest.approx(even / 64)  # one right sample of 4 per even problem
+    assert m["pass@1"] == pytest.approx(even / 64)
+    assert m["pass@2"] == pytest.approx(even * 0.5 / 16)  # 1 - C(3,2)/C(4,2) = 0.5
+    assert m["pass@4"] == pytest.approx(even / 16)
+    assert "pass@8" not in m and m["unparsed"] == 0
+    rows = read_jsonl(tmp_path / "tiny.n4-t1-p1.jsonl")
+    assert len(rows) == 64 and len({(r["idx"], r["sample"]) for r in rows}) == 64
+    assert sum(r["correct"] for r in rows) == even
+
+
+def test_resume_skips_done_samples(model_dir, tmp_path, one_thread, monkeypatch):
+    assert ev.main(tiny_argv(model_dir, tmp_path)) == 0
+    path = tmp_path / "tiny.greedy.jsonl"
+    full = read_jsonl(path)
+    # a crash after 11 rows, the last one half written
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:11]) + "\n" + lines[11][:20])
+
+    generated = []
+    real = ev.generate
+
+    def counting(model, tok, prompt_ids, stop_ids):
+        generated.extend(prompt_ids)
+        return real(model, tok, prompt_ids, stop_ids)
+
+    monkeypatch.setattr(ev, "generate", counting)
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--resume")) == 0
+    assert len(generated) == 5
+    rows = read_jsonl(path)
+    assert len(rows) == 16 and sorted(r["idx"] for r in rows) == list(range(16))
+    assert rows[:11] == full[:11]  # kept as they were
+    assert {r["idx"] for r in rows[11:]} == {r["idx"] for r in full[11:]}  # exactly the missing ones
+    assert json.loads((tmp_path / "tiny.greedy.json").read_text())["n_samples"] == 16
+
+    generated.clear()
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--resume")) == 0  # nothing left to do
+    assert generated == [] and len(read_jsonl(path)) == 16
+
+
+def test_context_length_and_argument_errors(model_dir, tmp_path):
+    with pytest.raises(UserError, match="max_position_embeddings"):
+        ev.evaluate(ev.parse_args(tiny_argv(model_dir, tmp_path, "--max-new-tokens", "100000")))
+    with pytest.raises(UserError, match="temperature"):
+        ev.evaluate(ev.parse_args(tiny_argv(model_dir, tmp_path, "--n", "4")))  # greedy, n > 1
+    with pytest.raises(UserError, match="template"):
+        ev.evaluate(ev.parse_args(tiny_argv(model_dir, tmp_path, "--template", "nope")))
+    with pytest.raises(UserError, match="cannot load model"):
+        ev.evaluate(ev.parse_args(["--model", str(tmp_path), "--benchmarks", "tiny"]))  # no model there
+
+
+@pytest.mark.skipif(not (common.TINY_MODEL_DIR / "config.json").is_file(),
+                    reason="bundled tiny model not built")
+def test_defaults_for_the_bundled_tiny_model(tmp_path, one_thread):
+    assert ev.main(["--limit", "8", "--device", "cpu", "--output-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "tiny.greedy.json").read_text())
+    assert res["benchmark"] == "tiny" and res["decoding"]["template"] == "tiny"
+    assert res["decoding"]["max_new_tokens"] == 48 and res["n_problems"] == 8
+
+
+# =====================================================================================
+# One-line errors from the command line
+# =====================================================================================
+def run_cli(*args, cwd=ROOT):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(proc, *needles):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_cli_unknown_benchmark():
+    proc = run_cli("--benchmarks", "math501")
+    assert_one_line_error(proc, "math501", "math500", "olympiadbench", "gsm8k")
+
+
+def test_cli_missing_column(tmp_path):
+    data = tmp_path / "probs.jsonl"
+    data.write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2", "a": "4"}\n')
+    proc = run_cli("--benchmarks", str(data), "--problem-column", "question")
+    assert_one_line_error(proc, "question")

@@ -1,0 +1,187 @@
+"""GRPO maths pinned by hand-computed values, plus property tests and end-to-end runs."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import common
+import grpo
+
+
+# ------------------------------------------------------------------ advantage
+def test_group_advantage_hand_values_and_all_equal_group():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    A = grpo.group_advantages(r, G=4)
+    std = math.sqrt((4 * 0.25) / 3)  # Bessel: sum of squared deviations / (G - 1)
+    expect = 0.5 / (std + 1e-4)
+    assert torch.allclose(A[:4], torch.tensor([expect, -expect, -expect, expect]), atol=1e-6)
+    assert torch.equal(A[4:], torch.zeros(8))  # all-1 and all-0 groups: exactly 0, no NaN
+    assert not torch.isnan(A).any()
+
+
+def test_group_advantage_rows_belong_to_prompt_b_div_G():
+    r = torch.tensor([0.0, 0.0, 1.0, 3.0, 3.0, 3.0])
+    A = grpo.group_advantages(r, G=3)
+    assert A[2] > 0 and A[0] < 0 and torch.equal(A[3:], torch.zeros(3))
+
+
+# ------------------------------------------------------------------ KL and clipped ratio
+def test_k3_hand_value():
+    q, p = torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25]))
+    # d = log(0.5/0.25) = log 2: exp(d) - d - 1 = 2 - log 2 - 1
+    assert torch.allclose(grpo.k3_kl(q, p), torch.tensor([1 - math.log(2)]), atol=1e-6)
+    assert grpo.k3_kl(p, p).item() == 0.0
+    assert (grpo.k3_kl(torch.randn(100), torch.randn(100)) >= 0).all()
+
+
+@pytest.mark.parametrize("ratio,A,expected", [
+    (1.5, 1.0, -1.2),   # positive advantage: capped at 1 + eps
+    (1.5, -1.0, 1.5),   # negative advantage: min picks the unclipped (more pessimistic) term
+    (0.5, 1.0, -0.5),   # positive advantage, ratio below 1 - eps: unclipped
+    (0.5, -1.0, 0.8),   # negative advantage: floored at 1 - eps
+    (1.1, 2.0, -2.2),   # inside the clip range: ratio * A
+])
+def test_clipped_ratio_term_hand_values(ratio, A, expected):
+    old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), math.log(ratio))
+    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([A]), torch.ones(1, 1), eps=0.2, beta=0.0)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_clip_fraction_counts_only_active_clips():
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.3]]))
+    _, st = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), torch.ones(1, 4), eps=0.2, beta=0.0)
+    assert st["clip_frac"].item() == pytest.approx(2 / 4)  # 1.5 and 1.3 are clipped for A > 0
+
+
+# ------------------------------------------------------------------ aggregation
+def test_seq_mean_token_mean_hand_value():
+    l = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]]).float()
+    # row means: (1 + 2) / 2 = 1.5 and 4 / 1 = 4; mean over rows 2.75
+    assert grpo.seq_mean_token_mean(l, m, num_seqs=2).item() == pytest.approx(2.75)
+
+
+def test_grpo_loss_with_kl_hand_value():
+    logp = torch.log(torch.tensor([[0.25, 0.5]]))
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))
+    loss, st = grpo.grpo_loss(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]), eps=0.2, beta=0.1)
+    # ratio 1: pg = -2 per token; kl = [1 - log 2, 0]; mean over 2 tokens
+    expected = (-2 + 0.1 * (1 - math.log(2)) + -2 + 0.0) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert st["kl"].item() == pytest.approx((1 - math.log(2)) / 2, abs=1e-6)
+
+
+def test_first_update_gradient_is_policy_gradient():
+    """ratio == 1: the loss value is 0 for zero-mean advantages, the gradient is -A m / (|o_i| B)."""
+    B, T = 4, 5
+    logp = torch.randn(B, T, requires_grad=True)
+    A = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]).float()
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0)
+    loss.backward()
+    expected = -A[:, None] * mask / mask.sum(1, keepdim=True) / B
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+
+
+def test_micro_batch_invariance_of_loss_and_gradients():
+    torch.manual_seed(0)
+    B, T = 8, 7
+    logp0 = torch.randn(B, T)
+    old, ref = logp0 + 0.3 * torch.randn(B, T), logp0 + 0.3 * torch.randn(B, T)
+    A = torch.randn(B)
+    lengths = torch.randint(1, T + 1, (B,))
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+
+    full = logp0.clone().requires_grad_()
+    loss_full, _ = grpo.grpo_loss(full, old, ref, A, mask, beta=0.04)
+    loss_full.backward()
+    for k in (2, 3, 8):
+        split = logp0.clone().requires_grad_()
+        total = 0.0
+        for idx in torch.arange(B).tensor_split(k):
+            l, _ = grpo.grpo_loss(split[idx], old[idx], ref[idx], A[idx], mask[idx], beta=0.04, num_seqs=B)
+            l.backward()
+            total += l.item()
+        assert total == pytest.approx(loss_full.item(), abs=1e-6)
+        assert torch.allclose(split.grad, full.grad, atol=1e-7)
+
+
+def test_all_equal_group_gives_finite_loss_and_gradients():
+    A = grpo.group_advantages(torch.ones(4), G=4)
+    logp = torch.randn(4, 3, requires_grad=True)
+    loss, _ = grpo.grpo_loss(logp, logp.detach() - 0.1, logp.detach(), A, torch.ones(4, 3), beta=0.04)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+# ------------------------------------------------------------------ masks and log-probs
+def test_position_mask_when_pad_equals_eos():
+    eos, im_end = 0, 2  # pad == eos == 0, as in Qwen base models
+    ids = torch.tensor([
+        [5, 6, 0, 0, 0],  # ends with EOS at 2, then padding that is also EOS
+        [0, 0, 0, 0, 0],  # EOS first: only that token counts
+        [5, 6, 7, 8, 9],  # truncated: every token counts
+        [5, 2, 0, 0, 0],  # ends on the second EOS id
+    ])
+    m = grpo.completion_mask(ids, [eos, im_end])
+    assert m.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert (ids != eos).long().tolist() != m.tolist()  # the pad-based mask would be wrong
+
+
+def _tiny_policy(tiny_dir):
+    model, tok = grpo.load_model(str(tiny_dir), torch.device("cpu"), False, trainable=False)
+    return model, tok
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
+    """Log-probs with left padding equal log_softmax(logits / T) of the very distribution
+    generate() sampled from (its raw logits, one sequence at a time, unpadded)."""
+    model, tok = _tiny_policy(tiny_dir)
+    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89")]
+    torch.manual_seed(0)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert (enc["attention_mask"] == 0).any()  # left padding is exercised
+    out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=8,
+                         eos_token_id=[-1], pad_token_id=tok.pad_token_id, output_logits=True,
+                         return_dict_in_generate=True)
+    comp = out.sequences[:, enc["input_ids"].shape[1]:]
+    mask = torch.ones_like(comp)
+    with torch.no_grad():
+        logp, ent = grpo.token_logps_and_entropy(model, enc["input_ids"], enc["attention_mask"], comp, mask, temperature)
+    raw = torch.stack(out.logits, 1).float()  # [B, T, V] before any processing
+    expected = torch.log_softmax(raw / temperature, -1).gather(-1, comp[..., None]).squeeze(-1)
+    assert torch.allclose(logp, expected, atol=1e-4)
+    expected_ent = torch.distributions.Categorical(logits=raw / temperature).entropy()
+    assert torch.allclose(ent, expected_ent, atol=1e-4)
+    if temperature != 1.0:  # and the temperature really matters
+        untempered = torch.log_softmax(raw, -1).gather(-1, comp[..., None]).squeeze(-1)
+        assert not torch.allclose(logp, untempered, atol=1e-3)
+
+
+def test_eos_ids_include_both_qwen_ends(tiny_dir):
+    model, tok = _tiny_policy(tiny_dir)
+    ids = grpo.eos_token_ids(model, tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ids and tok.convert_tokens_to_ids("<|endoftext|>") in ids
+
+
+def test_rollouts_shapes_and_grouping(tiny_dir):
+    model, tok = _tiny_policy(tiny_dir)
+    args = grpo.resolve_args(grpo.Args(run_name="x"))
+    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
+    torch.manual_seed(0)
+    b = grpo.generate_rollouts(model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
+    assert b["completion_ids"].shape[0] == 12 and len(b["texts"]) == 12
+    assert torch.equal(b["prompt_ids"][4], b["prompt_ids"][7]) and not torch.equal(b["prompt_ids"][3], b["prompt_ids"][4])
+    assert torch.equal(b["mask"], grpo.completion_mask(b["completion_ids"], grpo.eos_token_ids(model, tok)))
+    assert b["truncated"].dtype == torch.bool
+
+
+# ------------------------------------------------------------------ reward
+def test_reward_counts_unparsable():
+    r, c, p = grpo.reward_fn(["x \\boxed{4}", "\\boxed{5}", "no box here"], ["4", "4", "4"], 5)
+    assert r.tolist() == [1.0, 0.0, 0.0] and c.tolist() == [1.0, 0.0, 0.0] and p.tolist() == [1.0, 1.0, 0.0]
