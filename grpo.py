@@ -67,7 +67,7 @@ class Args:
     max_prompt_tokens: int | None = field(default=None, metadata={"help": "longer prompts are dropped from the data; default: context length - max_new_tokens"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature; log-probs use the same one"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; keep 1.0 so log-probs are those of the sampling distribution"})
-    gen_batch_size: int | None = field(default=None, metadata={"help": "completions per generate() call (default: the whole rollout batch)"})
+    gen_batch_size: int | None = field(default=None, metadata={"help": "completions per generate() call (tiny: the whole rollout batch, real 64)"})
     # --- objective ---
     eps: float = field(default=0.2, metadata={"help": "clip range of the ratio: [1 - eps, 1 + eps]"})
     beta: float = field(default=0.04, metadata={"help": "KL coefficient; 0 skips the reference model"})
@@ -104,7 +104,7 @@ TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", promp
                      save_every=80)
 REAL_DEFAULTS = dict(dataset="math", template="qwen_math", eval_dataset="math", prompts_per_step=32,
                      max_new_tokens=3000, steps=500, lr=1e-6, warmup_steps=10, num_mini_batches=4,
-                     micro_batch_size=4, gradient_checkpointing=None, eval_every=50, eval_n=500,
+                     micro_batch_size=4, gen_batch_size=64, gradient_checkpointing=None, eval_every=50, eval_n=500,
                      save_every=50)
 RESUME_OVERRIDABLE = ("steps", "device", "resume")
 

@@ -78,7 +78,7 @@ class Args:
     max_prompt_tokens: int | None = field(default=None, metadata={"help": "longer prompts are dropped from the data; default: context length - max_new_tokens"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature; log-probs use the same one"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; keep 1.0 so log-probs are those of the sampling distribution"})
-    gen_batch_size: int | None = field(default=None, metadata={"help": "completions per generate() call (default: the whole rollout batch)"})
+    gen_batch_size: int | None = field(default=None, metadata={"help": "completions per generate() call (tiny: the whole rollout batch, real 64)"})
     # --- objective ---
     clip_low: float = field(default=0.2, metadata={"help": "eps_low: the ratio is clipped below at 1 - eps_low (our reading)"})
     clip_high: float = field(default=0.28, metadata={"help": "eps_high: the ratio is clipped above at 1 + eps_high (our reading)"})
@@ -119,7 +119,7 @@ TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", promp
                      save_every=80)
 REAL_DEFAULTS = dict(dataset="math", template="qwen_math", eval_dataset="math", prompts_per_step=32,
                      max_new_tokens=3000, steps=500, lr=1e-6, warmup_steps=10, num_mini_batches=4,
-                     micro_batch_size=4, gradient_checkpointing=None, eval_every=50, eval_n=500,
+                     micro_batch_size=4, gen_batch_size=64, gradient_checkpointing=None, eval_every=50, eval_n=500,
                      save_every=50)
 RESUME_OVERRIDABLE = ("steps", "device", "resume")
 

@@ -101,3 +101,30 @@ def test_short_seeded_run_learns(name, tmp_path):
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
     assert last >= first + 0.07, (first, last)
+
+
+def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
+    """The first Ctrl-C lets the step finish, saves it, and exits 130; the run resumes from there."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "int"
+    proc = subprocess.Popen([sys.executable, str(root / "grpo.py"), "--steps", "200", "--save-every", "1000",
+                             "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "int", *SMALL],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    while time.time() < deadline and not (run / "metrics.jsonl").read_text().strip():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    assert "Traceback" not in out
+    ckpt = common.find_checkpoint(run)
+    state = common.load_trainer_state(ckpt)
+    last_logged = common.read_metrics(run)[-1]["step"]
+    assert state["step"] == last_logged == int(ckpt.name.split("-")[1]) >= 1

@@ -1,0 +1,89 @@
+"""The plumbing: the bundled model and task, the prompt sampler, checkpoints, grading helpers."""
+
+import pytest
+import torch
+
+import common
+
+
+def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert model.config.model_type == "qwen2" and sum(p.numel() for p in model.parameters()) < 2_000_000
+    # one token per character, and text survives the round trip (spaces and newlines included)
+    text = "7+5-8\n7+5=12\n12-8=4 \\boxed{4}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok.pad_token == tok.eos_token == "<|endoftext|>"
+    prompt = common.build_prompt(tok, "7+5-8", "tiny")
+    assert prompt == "<|im_start|>user\n7+5-8<|im_end|>\n<|im_start|>assistant\n"
+    eos = model.generation_config.eos_token_id
+    assert set(eos) == {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    tok.padding_side = "left"
+    enc = tok([common.build_prompt(tok, r["problem"], "tiny") for r in common.tiny_task("test", 32)],
+              return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert sum(common.last_boxed(t) is not None for t in texts) >= 28  # it has learned the format
+
+
+def test_tiny_task_splits_are_disjoint_and_deterministic():
+    train, test = common.tiny_task("train"), common.tiny_task("test")
+    assert len(train) == 3500 and len(test) == 500
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    assert common.tiny_task("test", 10, seed=3) == common.tiny_task("test", 10, seed=3)
+    ex = common.tiny_example(7, "+", 5, "-", 8)
+    assert ex["solution"] == "7+5=12\n12-8=4\n\\boxed{4}" and ex["answer"] == "4"
+    assert all(common.grade(r["solution"], r["answer"]).correct for r in test)
+
+
+def test_prompt_sampler_resumes_exactly():
+    a = common.PromptSampler(7, seed=5)
+    first = a.take(10)  # crosses an epoch boundary
+    assert sorted(first[:7]) == list(range(7))
+    b = common.PromptSampler(7, seed=5)
+    b.load_state_dict(a.state_dict())
+    assert a.take(9) == b.take(9)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so \\boxed{4}", "4"), ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{{a}{b}}", "{a}{b}"), ("no box", None), ("\\boxed{unclosed", None), ("\\fbox{7}", "7"),
+])
+def test_last_boxed(text, expected):
+    assert common.last_boxed(text) == expected
+
+
+def test_integer_fast_path_agrees_with_math_verify():
+    for gold, pred in [("4", "4"), ("-3", "-3"), ("4", "5"), ("10", "010"), ("-0", "0")]:
+        fast = common.grade(f"\\boxed{{{pred}}}", gold).correct
+        slow, _ = common._verify_latex(gold, pred, 5)
+        assert fast == slow, (gold, pred)
+
+
+def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    common.save_checkpoint(tmp_path, 1, model, tok, {"step": 1}, keep=2)
+    # a crash while writing step 2 leaves a temporary folder behind: the run still resumes from step 1
+    (tmp_path / ".tmp-checkpoint-2").mkdir()
+    assert common.find_checkpoint(tmp_path).name == "checkpoint-1"
+    for step in (2, 3):
+        common.save_checkpoint(tmp_path, step, model, tok, {"step": step, "t": torch.ones(2)}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    ck = common.find_checkpoint(tmp_path)
+    assert ck.name == "checkpoint-3" and common.load_trainer_state(ck)["step"] == 3
+    assert not list(tmp_path.glob(".tmp-checkpoint-3"))
+
+
+def test_resolve_model_names(tmp_path):
+    assert common.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert common.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert common.resolve_model_name(str(tmp_path)) == str(tmp_path)
+    assert common.is_tiny("tiny") and not common.is_tiny("Qwen2.5-Math-1.5B")
+    with pytest.raises(common.UserError):
+        common.resolve_model_name("NoSuchThing")
+    with pytest.raises(common.UserError):
+        common.resolve_model_name("./missing/folder")
