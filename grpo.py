@@ -341,7 +341,7 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
         correct, n = 0, args.gen_batch_size or 128
         model.eval()
-        for i in range(0, len(problems), n):
+        for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
             enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             with autocast(device):

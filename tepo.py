@@ -331,7 +331,9 @@ def carried_log_ratio(logp, old_logp, mask, ratio_level: str) -> torch.Tensor:
 
 def kl_mask(advantages, entropy, base_entropy, mask) -> torch.Tensor:
     """[B, T] bool, TEPO's KL mask (our reading): A_i > 0, entropy below its baseline (the
-    sampling policy's entropy, or the reference model's), and a valid completion token."""
+    sampling policy's entropy, or the reference model's), and a valid completion token.
+    Strictly below: before the first update the two entropies are equal and nothing is masked
+    (in bf16 on a GPU, rounding between two forward passes can still tip a few tokens)."""
     return (advantages[:, None] > 0) & (entropy < base_entropy) & (mask > 0)
 
 
@@ -393,7 +395,7 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
         correct, n = 0, args.gen_batch_size or 128
         model.eval()
-        for i in range(0, len(problems), n):
+        for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
             enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             with autocast(device):

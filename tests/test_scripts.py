@@ -128,3 +128,30 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
     state = common.load_trainer_state(ckpt)
     last_logged = common.read_metrics(run)[-1]["step"]
     assert state["step"] == last_logged == int(ckpt.name.split("-")[1]) >= 1
+
+
+@pytest.mark.parametrize("flags", [
+    ["--ratio-level", "token", "--entropy-baseline", "ref", "--kl-target", "old"],
+    ["--entropy-baseline", "ref", "--kl-coef", "0"],
+    ["--kl-target", "old"],
+])
+def test_tepo_flag_variants_run(flags, tmp_path):
+    import tepo
+    tepo.main(["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "v", *SMALL, *flags])
+    row = common.read_metrics(tmp_path / "v")[-1]
+    assert 0.0 <= row["mask_frac"] <= 1.0 and row["seq_ratio_min"] <= row["seq_ratio_max"]
+
+
+def test_dapo_with_no_mixed_group_skips_the_update(tmp_path, capsys):
+    """Two new tokens can never hold a boxed answer: every group is all wrong, none is kept,
+    the round limit is reported, and the step passes without an update or a crash."""
+    import dapo
+    from safetensors.torch import load_file
+    dapo.main(["--steps", "1", "--max-new-tokens", "2", "--overlong-cache", "1", "--max-gen-rounds", "2",
+               "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "z", *SMALL])
+    row = common.read_metrics(tmp_path / "z")[-1]
+    assert row["kept_groups"] == 0 and row["gen_rounds"] == 2 and row["dropped_groups"] == 8
+    assert "round limit" in capsys.readouterr().out
+    before = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
+    after = load_file(str(common.find_checkpoint(tmp_path / "z") / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
