@@ -81,7 +81,16 @@ def resolve_model_name(name: str) -> str:
 
 
 def is_tiny(model_name: str) -> bool:
-    return Path(resolve_model_name(model_name)).resolve() == TINY_MODEL_DIR.resolve()
+    """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json):
+    both get the tiny presets."""
+    path = Path(resolve_model_name(model_name))
+    if path.resolve() == TINY_MODEL_DIR.resolve():
+        return True
+    ref, cfg = TINY_MODEL_DIR / "config.json", path / "config.json"
+    if not (ref.is_file() and cfg.is_file()):
+        return False
+    a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
+    return all(a.get(k) == b.get(k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"))
 
 
 # =====================================================================================

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common import (TEMPLATES, TINY_MODEL_DIR, UserError, build_prompt, git_commit, grade,
+from common import (TEMPLATES, TINY_MODEL_DIR, UserError, build_prompt, git_commit, grade, is_tiny,
                     load_problems, resolve_device, resolve_model_name, seed_everything)
 
 
@@ -172,18 +172,6 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
 # =====================================================================================
 # Model
 # =====================================================================================
-def is_tiny_family(model_path: str) -> bool:
-    """The bundled tiny model, or a checkpoint trained from it (same architecture in config.json)."""
-    if Path(model_path).resolve() == TINY_MODEL_DIR.resolve():
-        return True
-    ref, cfg = TINY_MODEL_DIR / "config.json", Path(model_path) / "config.json"
-    if not (ref.is_file() and cfg.is_file()):
-        return False
-    a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
-    return all(a.get(k) == b.get(k) for k in ("model_type", "vocab_size", "hidden_size",
-                                              "num_hidden_layers"))
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
               "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -380,7 +368,7 @@ def model_label(model_arg: str, model_path: str) -> str:
 
 def evaluate(args: Args) -> list[dict]:
     model_path = resolve_model_name(args.model)
-    tiny = is_tiny_family(model_path)
+    tiny = is_tiny(model_path)
     names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",") if b.strip()]
     template = args.template or ("tiny" if tiny else "qwen_math")
     max_new = args.max_new_tokens or (48 if tiny else 3000)

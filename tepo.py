@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import signal
 import sys
 import time

@@ -1,6 +1,5 @@
 """GRPO maths pinned by hand-computed values, plus property tests and end-to-end runs."""
 
-import json
 import math
 
 import pytest
