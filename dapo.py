@@ -1,7 +1,7 @@
 """DAPO, Decoupled Clip and Dynamic sAmpling Policy Optimization, in one file.
 
 Paper: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
-arXiv 2503.14476, Eq. 8-13. Spec followed here: ../shared/ALGORITHMS.md (DAPO).
+arXiv 2503.14476, Sec. 3.1-3.4. Spec followed here: ../shared/ALGORITHMS.md (DAPO).
 
     python dapo.py                                # bundled tiny model + arithmetic task, CPU, ~4 min
     python dapo.py --model Qwen2.5-Math-1.5B      # the real run: one CUDA GPU, MATH train split
@@ -270,7 +270,7 @@ def batch_logps(model, batch: dict, args, device, rows=None):
 # Reward
 # =====================================================================================
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.Tensor:
-    """[B] -> [B], DAPO Eq. 13: 0 up to L_max - L_cache tokens, then ((L_max - L_cache) - len) / L_cache
+    """[B] -> [B], DAPO Sec. 3.4 (soft overlong punishment): 0 up to L_max - L_cache tokens, then ((L_max - L_cache) - len) / L_cache
     falling linearly to -1 at L_max, and -1 beyond."""
     lengths = lengths.float()
     soft = max_len - cache
@@ -348,7 +348,7 @@ def token_mean(l: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.
 
 
 def dapo_loss(logp, old_logp, advantages, mask, num_tokens, clip_low=0.2, clip_high=0.28):
-    """DAPO policy loss (Eq. 8 with clip-higher, Eq. 10; no KL term), aggregated token-mean.
+    """DAPO policy loss (Sec. 3.1 clip-higher, Sec. 3.3 token-level loss; no KL term), aggregated token-mean.
 
     logp      [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
     old_logp  [B, T]  the same under the policy that sampled the batch (no grad)

@@ -338,8 +338,9 @@ def kl_mask(advantages, entropy, base_entropy, mask) -> torch.Tensor:
 
 def tepo_loss(logp, old_logp, advantages, mask, entropy, base_entropy, kl_logp, num_tokens,
               clip_low=0.2, clip_high=0.28, kl_coef=0.04, ratio_level="sequence"):
-    """TEPO loss as read in ../shared/ALGORITHMS.md, aggregated token-mean. A pure function:
-    copy it into another trainer unchanged.
+    """TEPO loss as read in ../shared/ALGORITHMS.md, aggregated token-mean. A pure function of
+    tensors: copy it into another trainer unchanged, together with the four small helpers above
+    it (k3_kl, token_mean, carried_log_ratio, kl_mask); it needs nothing but torch.
 
     logp         [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
     old_logp     [B, T]  the same under the policy that sampled the batch (no grad)

@@ -186,3 +186,19 @@ def test_real_preset_on_a_local_model(local_real_model, tmp_path, capsys):
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert args["lr"] == 1e-6 and args["template"] == "qwen_math" and args["max_new_tokens"] == 8
     assert common.read_metrics(tmp_path / "r")[-1]["step"] == 1
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_micro_batch_size_does_not_change_the_update(name, tmp_path):
+    """The same step with micro-batches of 16 or of 6 completions: the same weights after it."""
+    from safetensors.torch import load_file
+    mod = importlib.import_module(name)
+    base = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--num-mini-batches", "1",
+            "--eval-dataset", "none", "--sample-every", "100", "--tensorboard", "false", "--output-dir", str(tmp_path)]
+    for mb in ("16", "6"):  # 6 splits 16 rows unevenly (6, 6, 4)
+        mod.main([*base, "--micro-batch-size", mb, "--run-name", f"mb{mb}"])
+    w16 = load_file(str(common.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
+    w6 = load_file(str(common.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
+    w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
+    assert any(not torch.equal(w0[k], w16[k]) for k in w0)  # the step did update the model
+    assert all(torch.allclose(w16[k], w6[k], atol=1e-6) for k in w16)
