@@ -202,6 +202,11 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
     return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()
 
 
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Text of each completion up to its first EOS; whatever generate() padded after it is dropped."""
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+
+
 @torch.no_grad()
 def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_ids, device) -> dict:
     """Sample G completions per prompt with HF generate (KV cache on); row b belongs to
@@ -222,7 +227,7 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     completion_ids = torch.cat([F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks])
     mask = completion_mask(completion_ids, eos_ids)
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
-    texts = tokenizer.batch_decode(completion_ids * mask, skip_special_tokens=True)
+    texts = decode_completions(tokenizer, completion_ids, mask)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                 mask=mask, truncated=truncated, texts=texts, prompts=[p for p in prompts for _ in range(G)])
 
@@ -345,7 +350,7 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             with autocast(device):
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
-            texts = tokenizer.batch_decode(ids * completion_mask(ids, eos_ids), skip_special_tokens=True)
+            texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             correct += sum(common.grade(t, p["answer"], args.grader_timeout).correct for t, p in zip(texts, chunk))
         out[f"eval/{name}_acc"] = correct / len(problems)
     return out

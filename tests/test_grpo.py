@@ -184,3 +184,15 @@ def test_rollouts_shapes_and_grouping(tiny_dir):
 def test_reward_counts_unparsable():
     r, c, p = grpo.reward_fn(["x \\boxed{4}", "\\boxed{5}", "no box here"], ["4", "4", "4"], 5)
     assert r.tolist() == [1.0, 0.0, 0.0] and c.tolist() == [1.0, 0.0, 0.0] and p.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_decoded_text_stops_at_the_first_eos(tiny_dir):
+    """Anything generate() leaves after the first EOS (pad ids, which in Qwen's vocabulary can be
+    ordinary characters) must not reach the grader."""
+    _, tok = _tiny_policy(tiny_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    seven = tok.convert_tokens_to_ids("7")
+    body = tok("\\boxed{4}", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([body + [eos, seven, seven], body + [seven, seven, seven]])
+    mask = grpo.completion_mask(ids, [eos])
+    assert grpo.decode_completions(tok, ids, mask) == ["\\boxed{4}", "\\boxed{4}777"]
