@@ -577,7 +577,8 @@ def train(args: Args) -> dict:
             tqdm.write(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, sampled acc {metrics['eval/sampled_acc']:.3f}")
         logger.log(step, metrics)
         last_metrics = metrics
-        bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in BAR_FIGURES.items() if k in metrics})
+        bar.set_postfix({short: f"{metrics[k]:.3g}" if abs(metrics[k]) < 1000 else f"{metrics[k]:.0f}"
+                         for k, short in BAR_FIGURES.items() if k in metrics})
         if step % args.save_every == 0 or step == args.steps or interrupt.requested:
             path = save(step)
             if interrupt.requested:
