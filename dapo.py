@@ -339,6 +339,8 @@ def group_advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.
     """[B] -> [B]: A_i = (r_i - mean_g r) / (std_g r + eps), std with Bessel's correction over
     the G completions of one prompt. An all-equal group gives exactly 0 (its numerator is 0)."""
     r = rewards.view(-1, G)
+    if r.shape[0] == 0:  # an empty batch: nothing to normalise
+        return rewards.clone()
     A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
     return A.view(-1)
 
