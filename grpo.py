@@ -372,8 +372,10 @@ class GracefulInterrupt:
 
     def __init__(self):
         self.requested = False
-        if sys.platform != "win32":
-            signal.signal(signal.SIGINT, self._handler)
+        self.previous = signal.signal(signal.SIGINT, self._handler)
+
+    def close(self):
+        signal.signal(signal.SIGINT, self.previous)
 
     def _handler(self, signum, frame):
         if self.requested:
@@ -391,7 +393,10 @@ def train(args: Args) -> dict:
         ckpt = common.find_checkpoint(args.resume)
         state = common.load_trainer_state(ckpt)
         cli = args
-        args = Args(**state["args"])
+        try:
+            args = Args(**state["args"])
+        except TypeError:
+            raise UserError(f"checkpoint {str(ckpt)!r} was not written by {ALGO}.py (its arguments differ)") from None
         for k in RESUME_OVERRIDABLE:
             if getattr(cli, k) is not None:
                 setattr(args, k, getattr(cli, k))
@@ -526,9 +531,11 @@ def train(args: Args) -> dict:
             if interrupt.requested:
                 tqdm.write(f"interrupted: saved {path}; continue with: python {ALGO}.py --resume {run_dir}")
                 logger.close()
+                interrupt.close()
                 raise SystemExit(130)
     bar.close()
     logger.close()
+    interrupt.close()
 
     # --- summary ---
     summary = {"run_dir": str(run_dir), "steps": args.steps}

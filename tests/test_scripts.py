@@ -78,6 +78,10 @@ def test_clear_one_line_errors(name, tmp_path, capsys):
     (ck / "trainer_state.pt").write_bytes(b"not a checkpoint")
     assert "unreadable" in _error_of(mod, capsys, ["--resume", str(ck)])
     assert "no checkpoint" in _error_of(mod, capsys, ["--resume", str(tmp_path / "nowhere")])
+    ck2 = tmp_path / "other" / "checkpoint-1"  # a checkpoint whose arguments are another script's
+    ck2.mkdir(parents=True)
+    torch.save({"args": {"model": "tiny", "not_a_flag_of_this_script": 1}}, ck2 / "trainer_state.pt")
+    assert f"not written by {name}.py" in _error_of(mod, capsys, ["--resume", str(ck2)])
 
 
 def test_local_dataset_file_trains(tmp_path):
