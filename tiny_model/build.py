@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -135,6 +136,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     rng = random.Random(SEED)
     step, acc = 0, 0.0
+    bar = tqdm(desc="warm-up", unit="step")
     while acc < TARGET_ACC:
         ids, att, lab = encode_batch(tokenizer, rng.sample(train, 64), im_end, rng)
         loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
@@ -143,12 +145,15 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", sampled_acc=f"{acc:.3f}")
         if step % (100 if acc < 0.1 else 20) == 0:  # look closely near the target
             acc = sampled_accuracy(model, tokenizer, heldout, eos_ids)
-            print(f"step {step:5d}  loss {loss.item():.3f}  sampled held-out acc {acc:.3f}", flush=True)
+            tqdm.write(f"step {step:5d}  loss {loss.item():.3f}  sampled held-out acc {acc:.3f}")
         if step > 20_000:
             raise SystemExit("warm-up did not reach the target accuracy")
 
+    bar.close()
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, do_sample=True,
         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=40)
