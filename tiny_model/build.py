@@ -145,11 +145,11 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}", sampled_acc=f"{acc:.3f}")
         if step % (100 if acc < 0.1 else 20) == 0:  # look closely near the target
             acc = sampled_accuracy(model, tokenizer, heldout, eos_ids)
             tqdm.write(f"step {step:5d}  loss {loss.item():.3f}  sampled held-out acc {acc:.3f}")
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", sampled_acc=f"{acc:.3f}")
         if step > 20_000:
             raise SystemExit("warm-up did not reach the target accuracy")
 
