@@ -1,8 +1,9 @@
 """Score a model or a checkpoint on math benchmarks: greedy pass@1, or avg@n and pass@k.
 
     python eval.py                                    # bundled tiny model, tiny task, CPU, offline
-    python eval.py --model runs/<run>/checkpoint-200  # a checkpoint saved by grpo.py / dapo.py / tepo.py
-    python eval.py --model Qwen2.5-Math-1.5B --benchmarks math500,aime24,amc23,minerva,olympiadbench,gsm8k
+    python eval.py --model runs/<run>/checkpoint-200  # a checkpoint saved by grpo.py, dapo.py...
+    python eval.py --model Qwen2.5-Math-1.5B \\
+        --benchmarks math500,aime24,amc23,minerva,olympiadbench,gsm8k
     python eval.py --model Qwen2.5-Math-1.5B --benchmarks aime24,amc23 \\
         --n 16 --temperature 0.6 --top-p 0.95 --pass-k 1,4,16
     python eval.py --model Qwen2.5-Math-1.5B --benchmarks my.jsonl \\
@@ -10,13 +11,20 @@
 
 Per benchmark: prompts go through the template (common.build_prompt); Hugging Face `generate` runs
 batches of similar-length prompts (left padding) and stops on every EOS id the model uses (tokenizer
-EOS, generation_config EOS list, `<|im_end|>`); common.grade checks the last \\boxed{} against the
-gold answer with math-verify (gold first, time-bounded, never eval()).
+EOS, generation_config EOS list, `<|im_end|>`); common.grade checks the completion's answer against
+the gold answer with math-verify (gold first, time-bounded, never eval()). --answer-extraction picks
+the answer: `boxed` (the default) the last \\boxed{} (common.grade has a rule for several boxes);
+`math_verify` math-verify's own extraction of the final answer from the whole text (for models that
+end with "The answer is: 42" or "#### 42").
+
+Decoding follows eval.py's flags and nothing else: transformers fills every field a GenerationConfig
+leaves unset from the model's generation_config.json (Qwen instruct models ship sampling with top_k,
+top_p and a repetition penalty), so on load it is replaced by one with only its special tokens.
 
 Metrics: greedy (the default, --temperature 0) gives `greedy_pass@1`; sampling (--temperature > 0,
 --n N) gives `avg@N` (mean accuracy over all samples) and `pass@k` for each k <= N in --pass-k, with
 the unbiased estimator 1 - C(N-c, k) / C(N, k) (Chen et al. 2021). Always: `accuracy` (mean over
-samples), unparsed (no \\boxed{} answer math-verify could parse), truncated (no EOS in budget).
+samples), unparsed (no answer extracted that math-verify could parse), truncated (no EOS in budget).
 
 Context: prompt tokens + --max-new-tokens must fit max_position_embeddings. Every prompt of every
 benchmark is checked before anything is generated, and one that does not fit is an error saying how
@@ -26,19 +34,31 @@ Defaults follow the model: the tiny model, and checkpoints trained from it (same
 config.json), get --benchmarks tiny --template tiny --max-new-tokens 48; anything else gets math500,
 qwen_math and 3000 (Qwen2.5-Math has a 4096-token context).
 
-Outputs in --output-dir (default runs/eval/<model-name>/); <tag> is `greedy` or e.g. `n16-t0.6-p0.95`:
-    <benchmark>.<tag>.json    model, benchmark, metrics, decoding settings, grader version, date, counts
-    <benchmark>.<tag>.jsonl   one row per sample: problem, gold, completion, extracted answer, correct
+Outputs in --output-dir (default runs/eval/<model-name>/); <tag> is `greedy` or `n16-t0.6-p0.95`:
+    <benchmark>.<tag>.json    model, benchmark, decoding settings, answer extraction, grader
+                              version, date, counts; written with "complete": false before the
+                              first sample, then again with the metrics and "complete": true
+    <benchmark>.<tag>.jsonl   one row per sample: problem, gold, completion, extracted answer,
+                              correct
     results.<tag>.md          the markdown table printed at the end
---resume keeps the rows already in <benchmark>.<tag>.jsonl (same problem at the same position) and
-generates only the rest; it assumes the --template and --max-new-tokens of the run it resumes.
+<benchmark> is the short name (math500), `org__name-<split>` for a hub dataset id, or the file name
+plus a short hash of its full path for a local file (`test-1a2b3c`), so two files called test.jsonl
+in different folders never overwrite each other's results.
+
+--resume keeps the rows already in <benchmark>.<tag>.jsonl (same problem and gold at the same
+position) and generates only the rest. Mixing rows made with other settings would make one score of
+two evaluations, so it refuses, naming the setting, when the earlier run's .json records another
+--model, --template, --max-new-tokens, --temperature, --top-p, --n, --answer-extraction or grader
+version (--seed, --batch-size, --dtype and --device may change).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections import defaultdict
@@ -50,8 +70,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common import (TEMPLATES, TINY_MODEL_DIR, UserError, build_prompt, git_commit, grade, is_tiny,
-                    load_problems, resolve_device, resolve_model_name, seed_everything)
+from common import (TEMPLATES, TINY_MODEL_DIR, UserError, build_prompt, git_commit, grade,
+                    is_tiny, load_problems, resolve_device, resolve_model_name, seed_everything)
 
 
 # =====================================================================================
@@ -81,38 +101,53 @@ SUBSET_SEED = 0  # --limit picks the same problems whatever --seed is, so runs s
 @dataclass
 class Args:
     model: str = field(default="tiny", metadata={"help": "'tiny' (the bundled model), a checkpoint "
-                       "folder such as runs/<run>/checkpoint-N, a hub id, or a short Qwen name such "
-                       "as Qwen2.5-Math-1.5B"})
-    benchmarks: str | None = field(default=None, metadata={"help": f"comma-separated list of: {KNOWN}, "
-                                   "a .jsonl/.json/.parquet file, or a hub dataset id (org/name). "
-                                   "Default: tiny for the tiny model, else math500"})
+                       "folder such as runs/<run>/checkpoint-N, a hub id, or a short Qwen name "
+                       "such as Qwen2.5-Math-1.5B"})
+    benchmarks: str | None = field(default=None, metadata={
+        "help": f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet file, or a hub "
+        "dataset id (org/name). Default: tiny for the tiny model, else math500"})
     split: str = field(default="test", metadata={"help": "split of a hub dataset id given in "
                        "--benchmarks (the named benchmarks know their own)"})
-    problem_column: str | None = field(default=None, metadata={"help": "problem column of a file or "
-                                       "hub dataset id in --benchmarks; unset means 'problem'"})
-    answer_column: str | None = field(default=None, metadata={"help": "gold-answer column of a file "
-                                      "or hub dataset id in --benchmarks; unset means 'answer'"})
-    limit: int | None = field(default=None, metadata={"help": "evaluate a fixed random subset of this "
-                              "many problems per benchmark (default: all)"})
-    template: str | None = field(default=None, metadata={"help": f"prompt template, one of "
-                                 f"{', '.join(TEMPLATES)} (default: tiny for the tiny model, else qwen_math)"})
-    n: int = field(default=1, metadata={"help": "samples per problem (needs --temperature > 0 when > 1)"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy decoding; > 0 = sampling"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold (sampling only)"})
-    pass_k: str = field(default="1,2,4,8,16,32,64,128,256", metadata={"help": "k values for pass@k; "
-                        "only those <= --n are reported"})
-    max_new_tokens: int | None = field(default=None, metadata={"help": "generation budget per sample "
-                                       "(default: 48 for the tiny model, else 3000)"})
+    problem_column: str | None = field(default=None, metadata={
+        "help": "problem column of a file or hub dataset id in --benchmarks; unset means "
+        "'problem'"})
+    answer_column: str | None = field(default=None, metadata={
+        "help": "gold-answer column of a file or hub dataset id in --benchmarks; unset means "
+        "'answer'"})
+    limit: int | None = field(default=None, metadata={
+        "help": "evaluate a fixed random subset of this many problems per benchmark "
+        "(default: all)"})
+    template: str | None = field(default=None, metadata={
+        "help": f"prompt template, one of {', '.join(TEMPLATES)} (default: tiny for the tiny "
+        "model, else qwen_math)"})
+    n: int = field(default=1, metadata={
+        "help": "samples per problem (needs --temperature > 0 when > 1)"})
+    temperature: float = field(default=0.0, metadata={
+        "help": "0 = greedy decoding; > 0 = sampling"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "nucleus sampling threshold (sampling only)"})
+    pass_k: str = field(default="1,2,4,8,16,32,64,128,256", metadata={
+        "help": "k values for pass@k; only those <= --n are reported"})
+    answer_extraction: str = field(default="boxed", metadata={
+        "choices": ["boxed", "math_verify"], "help": "which answer is graded: boxed = the last "
+        "\\boxed{} of the completion; math_verify = math-verify's own extraction of the final "
+        "answer from the whole text (for models that answer 'The answer is: 42' or '#### 42')"})
+    max_new_tokens: int | None = field(default=None, metadata={
+        "help": "generation budget per sample (default: 48 for the tiny model, else 3000)"})
     batch_size: int = field(default=64, metadata={"help": "prompts per generate() call"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 "
-                       "or fp32"})
-    seed: int = field(default=0, metadata={"help": "seed for sampling (reset before each benchmark)"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub"})
-    output_dir: str | None = field(default=None, metadata={"help": "where results go (default: "
-                                   "runs/eval/<model-name>/)"})
-    resume: bool = field(default=False, metadata={"help": "keep samples already in the JSONL of an "
-                         "earlier run with the same decoding tag and generate only the rest"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32"})
+    seed: int = field(default=0, metadata={
+        "help": "seed for sampling (reset before each benchmark)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "allow model code from the hub"})
+    output_dir: str | None = field(default=None, metadata={
+        "help": "where results go (default: runs/eval/<model-name>/)"})
+    resume: bool = field(default=False, metadata={
+        "help": "keep samples already in the JSONL of an earlier run with the same decoding tag "
+        "and generate only the rest; refused if that run used another --model, --template, "
+        "--max-new-tokens, --temperature, --top-p, --n or --answer-extraction"})
 
 
 def first_line(e: Exception) -> str:
@@ -122,7 +157,7 @@ def first_line(e: Exception) -> str:
 
 def clean_gold(value, benchmark: str) -> str:
     """Gold answers come as strings, numbers or lists; math-verify wants one LaTeX string."""
-    if isinstance(value, (list, tuple)):  # olympiadbench: a list, several items for multi-answer problems
+    if isinstance(value, (list, tuple)):  # olympiadbench: a list, several for multi-answer problems
         return ", ".join(clean_gold(v, benchmark) for v in value)
     if isinstance(value, float) and value.is_integer():  # 27.0 -> 27
         value = int(value)
@@ -132,6 +167,18 @@ def clean_gold(value, benchmark: str) -> str:
     while len(text) >= 2 and text[0] == text[-1] == "$":  # olympiadbench writes '$x=3$'
         text = text[1:-1].strip()
     return text
+
+
+def safe(text: str) -> str:
+    """Only characters that are harmless in a file name (a split may be 'test[:100]')."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def file_label(path: Path) -> str:
+    """'data/a/test.jsonl' -> 'test-1a2b3c': the file name stays readable and the hash of the full
+    path keeps a/test.jsonl and b/test.jsonl apart, in one run or in two into the same folder."""
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:6]
+    return f"{safe(path.stem)}-{digest}"
 
 
 def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
@@ -156,7 +203,8 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
                 for p, a in zip(ds[b.problem_column], ds[b.answer_column])]
         rows = [r for r in rows if r["problem"].strip() and r["answer"]]
         if not rows:
-            raise UserError(f"benchmark {name!r} ({b.hub_id}) has no rows with a problem and an answer")
+            raise UserError(f"benchmark {name!r} ({b.hub_id}) has no rows with a problem and an "
+                            f"answer")
         if args.limit is not None and args.limit < len(rows):
             rows = random.Random(SUBSET_SEED).sample(rows, args.limit)
         return name, f"{b.hub_id} ({b.split})", rows
@@ -164,8 +212,9 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
     if path.suffix in (".jsonl", ".json", ".parquet") or "/" in name:  # a file or a hub id
         rows = load_problems(name, args.split, args.problem_column, args.answer_column,
                              limit=args.limit, seed=SUBSET_SEED)
-        label = path.stem if path.suffix else name.replace("/", "__")
-        return label, name if path.suffix else f"{name} ({args.split})", rows
+        if path.suffix:
+            return file_label(path), str(path.resolve()), rows
+        return f"{safe(name.replace('/', '__'))}-{safe(args.split)}", f"{name} ({args.split})", rows
     raise UserError(f"unknown benchmark {name!r}; known: {KNOWN}, or a .jsonl/.json/.parquet file")
 
 
@@ -188,7 +237,7 @@ def round_trips(tok) -> bool:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     try:
         tok = AutoTokenizer.from_pretrained(path, padding_side="left",
@@ -198,6 +247,14 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
     except (OSError, ValueError) as e:  # missing folder, unknown hub id, offline, remote code
         hint = " (the bundled tiny model is not built yet?)" if Path(path) == TINY_MODEL_DIR else ""
         raise UserError(f"cannot load model {path!r}{hint}: {first_line(e)}") from None
+    # generate() fills every field its GenerationConfig leaves unset (None) from
+    # model.generation_config, i.e. from the model's generation_config.json, which may ask for
+    # sampling, top_k, top_p, a repetition penalty... Keep only its special-token ids, so decoding
+    # is exactly what evaluate() sets and the results JSON records.
+    shipped = model.generation_config
+    model.generation_config = GenerationConfig(eos_token_id=shipped.eos_token_id,
+                                               pad_token_id=shipped.pad_token_id,
+                                               bos_token_id=shipped.bos_token_id)
     if not round_trips(tok):
         # e.g. transformers 5 loads every qwen2 folder with Qwen2Tokenizer (byte-level BPE), which
         # silently drops the newlines and spaces of a char-level WordLevel tokenizer.json
@@ -259,7 +316,8 @@ def compute_metrics(rows: list[dict], n_problems: int, n: int, ks: list[int], gr
     else:
         m[f"avg@{n}"] = acc
         for k in (k for k in ks if k <= n):
-            m[f"pass@{k}"] = sum(pass_at_k(n, correct[i], k) for i in range(n_problems)) / n_problems
+            m[f"pass@{k}"] = sum(pass_at_k(n, correct[i], k)
+                                 for i in range(n_problems)) / n_problems
     m["unparsed"] = sum(not r["parsed"] for r in rows)
     m["unparsed_frac"] = m["unparsed"] / len(rows)
     m["truncated_frac"] = sum(r["truncated"] for r in rows) / len(rows)
@@ -274,14 +332,16 @@ def markdown_table(results: list[dict]) -> str:
 
     def row(label, problems, ms):
         cells = [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}" for k in keys]
-        cells += [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}%" for k in ("unparsed_frac", "truncated_frac")]
+        cells += [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}%"
+                  for k in ("unparsed_frac", "truncated_frac")]
         cells.append(f"{sum(m['mean_completion_tokens'] for m in ms) / len(ms):.0f}")
         return f"| {label} | {problems} | " + " | ".join(cells) + " |"
 
     for r in results:
         lines.append(row(r["benchmark"], r["n_problems"], [r["metrics"]]))
     if len(results) > 1:  # unweighted mean over benchmarks, as papers report it
-        lines.append(row("mean", sum(r["n_problems"] for r in results), [r["metrics"] for r in results]))
+        lines.append(row("mean", sum(r["n_problems"] for r in results),
+                         [r["metrics"] for r in results]))
     return "\n".join(lines)
 
 
@@ -300,15 +360,66 @@ def read_done(path: Path, problems: list[dict], n: int) -> list[dict]:
             continue
         i, s = r.get("idx"), r.get("sample")
         if (isinstance(i, int) and 0 <= i < len(problems) and isinstance(s, int) and 0 <= s < n
-                and problems[i]["problem"] == r.get("problem") and problems[i]["answer"] == r.get("gold")):
+                and problems[i]["problem"] == r.get("problem")
+                and problems[i]["answer"] == r.get("gold")):
             keep[(i, s)] = r
     return list(keep.values())
 
 
+def resume_settings(result: dict) -> dict:
+    """The settings that rows kept by --resume must share with this run, keyed by the flag that
+    sets them; `result` is a results JSON or evaluate()'s settings (same layout)."""
+    dec = result.get("decoding") or {}
+    keys = {"--model": model_id(str(result.get("model"))), "--template": dec.get("template"),
+            "--max-new-tokens": dec.get("max_new_tokens"), "--n": dec.get("n"),
+            "--temperature": dec.get("temperature"),
+            # results from before --answer-extraction existed were all graded on the last \boxed{}
+            "--answer-extraction": result.get("answer_extraction", "boxed"),
+            "grader": result.get("grader")}
+    if not dec.get("greedy", True):  # top_p does nothing in greedy decoding
+        keys["--top-p"] = dec.get("top_p")
+    return keys
+
+
+def check_resume(stem: Path, settings: dict) -> None:
+    """Refuse to resume rows that were made with other settings: the score would mix two evals."""
+    samples, result = Path(f"{stem}.jsonl"), Path(f"{stem}.json")
+    if not samples.is_file():
+        return  # nothing to resume
+    with open(samples) as f:
+        if not f.read(4096).strip():
+            return  # nothing to resume
+    try:
+        old = resume_settings(json.loads(result.read_text()))
+    except (OSError, ValueError, AttributeError):  # missing, half written, not a JSON object
+        raise UserError(f"--resume: {samples} has samples but {result}, which records the settings "
+                        f"they were made with, is missing or unreadable; rerun without --resume "
+                        f"to start over") from None
+    new = resume_settings(settings)
+    diff = [f"{k} {old.get(k)} (now {new.get(k)})" for k in dict.fromkeys([*old, *new])
+            if old.get(k) != new.get(k)]
+    if diff:
+        raise UserError(f"--resume: {samples} was made with {', '.join(diff)}; rerun with those "
+                        f"settings, or without --resume to start over")
+
+
 def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: list[list[int]],
                   model, tok, args: Args, settings: dict, stem: Path) -> dict:
-    samples_path = Path(f"{stem}.jsonl")
+    samples_path, result_path = Path(f"{stem}.jsonl"), Path(f"{stem}.json")
     rows = read_done(samples_path, problems, args.n) if args.resume else []
+    decoding = settings["decoding"]
+    result = {
+        "model": settings["model"], "model_arg": args.model, "benchmark": label, "source": source,
+        "complete": False, "n_problems": len(problems), "n_samples_per_problem": args.n,
+        "n_samples": len(rows), "metrics": None, "decoding": decoding,
+        "answer_extraction": settings["answer_extraction"], "grader": settings["grader"],
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "limit": args.limit, "elapsed_s": None,
+        "samples_file": str(samples_path),
+    }
+    # The settings reach the disk before any sample does, so that a --resume after a crash can
+    # check it continues the same evaluation.
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
     with open(samples_path, "w") as f:  # rewritten: only the rows that still count stay
         f.writelines(json.dumps(r) + "\n" for r in rows)
     done = {(r["idx"], r["sample"]) for r in rows}
@@ -320,17 +431,26 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
     todo.sort(key=lambda t: (-len(prompt_ids[t[0]]), t))
 
     seed_everything(args.seed)
-    decoding, t0, n_tokens, n_correct = settings["decoding"], time.time(), 0, 0
+    t0, n_tokens, n_correct = time.time(), 0, 0
     bar = tqdm(total=len(todo), desc=label, dynamic_ncols=True)
     with open(samples_path, "a") as f:
         for start in range(0, len(todo), args.batch_size):
             batch = todo[start:start + args.batch_size]
-            outs = generate(model, tok, [prompt_ids[i] for i, _ in batch], decoding["stop_token_ids"])
+            try:
+                outs = generate(model, tok, [prompt_ids[i] for i, _ in batch],
+                                decoding["stop_token_ids"])
+            except torch.OutOfMemoryError:
+                bar.close()
+                raise UserError(f"out of memory generating {label} with --batch-size "
+                                f"{args.batch_size} and --max-new-tokens "
+                                f"{decoding['max_new_tokens']}; lower --batch-size and add "
+                                f"--resume to keep the {len(rows)} samples done") from None
             for (i, s), (text, n_tok, truncated) in zip(batch, outs):
-                g = grade(text, problems[i]["answer"])
+                g = grade(text, problems[i]["answer"], extraction=args.answer_extraction)
                 row = {"idx": i, "sample": s, "problem": problems[i]["problem"],
                        "gold": problems[i]["answer"], "completion": text, "pred": g.pred,
-                       "parsed": g.parsed, "correct": g.correct, "tokens": n_tok, "truncated": truncated}
+                       "parsed": g.parsed, "correct": g.correct, "tokens": n_tok,
+                       "truncated": truncated}
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 n_tokens, n_correct = n_tokens + n_tok, n_correct + g.correct
@@ -340,15 +460,11 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
                             tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
     bar.close()
 
-    result = {
-        "model": settings["model"], "model_arg": args.model, "benchmark": label, "source": source,
-        "n_problems": len(problems), "n_samples_per_problem": args.n, "n_samples": len(rows),
-        "metrics": compute_metrics(rows, len(problems), args.n, settings["ks"], decoding["greedy"]),
-        "decoding": decoding, "grader": f"math-verify {version('math-verify')}",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
-        "limit": args.limit, "elapsed_s": round(time.time() - t0, 2), "samples_file": str(samples_path),
-    }
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    result.update(complete=True, n_samples=len(rows), elapsed_s=round(time.time() - t0, 2),
+                  metrics=compute_metrics(rows, len(problems), args.n, settings["ks"],
+                                          decoding["greedy"]),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -366,10 +482,18 @@ def model_label(model_arg: str, model_path: str) -> str:
     return model_path.rstrip("/").split("/")[-1]
 
 
+def model_id(model_path: str) -> str:
+    """The model as the results record it: a local folder resolved to its full path (the same
+    checkpoint given as a relative path, or as 'tiny', is the same model), else the hub id."""
+    p = Path(model_path).expanduser()
+    return str(p.resolve()) if p.exists() else model_path
+
+
 def evaluate(args: Args) -> list[dict]:
     model_path = resolve_model_name(args.model)
     tiny = is_tiny(model_path)
-    names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",") if b.strip()]
+    names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",")
+             if b.strip()]
     template = args.template or ("tiny" if tiny else "qwen_math")
     max_new = args.max_new_tokens or (48 if tiny else 3000)
     greedy = args.temperature == 0
@@ -381,16 +505,43 @@ def evaluate(args: Args) -> list[dict]:
         raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}"
                         if names else f"--benchmarks is empty; known: {KNOWN}")
     if min(args.n, args.batch_size, max_new, *ks, 1 if args.limit is None else args.limit) < 1:
-        raise UserError("--n, --batch-size, --max-new-tokens, --limit and --pass-k values must be >= 1")
+        raise UserError("--n, --batch-size, --max-new-tokens, --limit and --pass-k values must be "
+                        ">= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
     if greedy and args.n > 1:
-        raise UserError("--n > 1 with greedy decoding gives n identical samples; set --temperature > 0")
+        raise UserError("--n > 1 with greedy decoding gives n identical samples; set "
+                        "--temperature > 0")
+    if args.answer_extraction not in ("boxed", "math_verify"):  # the CLI checks; evaluate(Args())
+        raise UserError(f"unknown --answer-extraction {args.answer_extraction!r}; use boxed or "
+                        f"math_verify")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    settings = {"model": model_id(model_path), "ks": ks,
+                "answer_extraction": args.answer_extraction,
+                "grader": f"math-verify {version('math-verify')}", "decoding": {
+                    "greedy": greedy, "n": args.n, "temperature": args.temperature,
+                    "top_p": args.top_p, "top_k": None if greedy else 0, "max_new_tokens": max_new,
+                    "template": template, "seed": args.seed, "batch_size": args.batch_size,
+                    "dtype": str(dtype).removeprefix("torch."), "device": str(device)}}
 
     # Data before the model: a typo in a benchmark name should not cost a model load.
     benches = [load_benchmark(name, args) for name in names]
+    labels = [label for label, _, _ in benches]
+    twice = next((label for label in labels if labels.count(label) > 1), None)
+    if twice is not None:
+        raise UserError(f"--benchmarks names {twice} twice")
+    out_dir = (Path(args.output_dir) if args.output_dir
+               else Path("runs/eval") / model_label(args.model, model_path))
+    tag = "greedy" if greedy else f"n{args.n}-t{args.temperature:g}-p{args.top_p:g}"
+    if args.resume:  # all benchmarks are checked before the first one generates, not an hour in
+        for label in labels:
+            check_resume(out_dir / f"{label}.{tag}", settings)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create --output-dir {out_dir}: {first_line(e)}") from None
+
     model, tok = load_model(model_path, device, dtype, args.trust_remote_code)
     stop_ids = stop_token_ids(tok, model)
     if tok.pad_token_id is None:  # left padding needs some id; the attention mask hides it
@@ -416,32 +567,27 @@ def evaluate(args: Args) -> list[dict]:
 
     from transformers import GenerationConfig
 
-    # The model's own generation defaults are replaced, not merged (Qwen ships top_k, and some
-    # models a repetition penalty), so what runs is exactly what the results JSON records.
+    # Every decoding setting is given here and model.generation_config (neutral since load_model)
+    # is replaced by it, so generate() has nothing of the model's own defaults left to merge in.
     gen_config = GenerationConfig(max_new_tokens=max_new, do_sample=not greedy,
                                   temperature=None if greedy else args.temperature,
-                                  top_p=None if greedy else args.top_p, top_k=None if greedy else 0,
+                                  top_p=None if greedy else args.top_p,
+                                  top_k=None if greedy else 0,
                                   eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
     model.generation_config = gen_config  # generate() decodes with this
-    settings = {"model": model_path, "ks": ks, "decoding": {
-        "greedy": greedy, "n": args.n, "temperature": args.temperature, "top_p": args.top_p,
-        "top_k": None if greedy else 0, "max_new_tokens": max_new, "template": template,
-        "seed": args.seed, "batch_size": args.batch_size, "stop_token_ids": stop_ids,
-        "tokenizer": type(tok).__name__,
-        "dtype": str(dtype).removeprefix("torch."), "device": str(device)}}
+    settings["decoding"].update(stop_token_ids=stop_ids, tokenizer=type(tok).__name__)
 
-    out_dir = Path(args.output_dir) if args.output_dir else Path("runs/eval") / model_label(args.model, model_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "greedy" if greedy else f"n{args.n}-t{args.temperature:g}-p{args.top_p:g}"
     print(f"model {model_path} on {device} ({settings['decoding']['dtype']}), template {template}, "
-          f"{tag}, max {max_new} new tokens -> {out_dir}")
+          f"{tag}, max {max_new} new tokens, answer extraction {args.answer_extraction} "
+          f"-> {out_dir}")
     results = [run_benchmark(label, source, problems, ids, model, tok, args, settings,
                              out_dir / f"{label}.{tag}")
                for (label, source, problems), ids in zip(benches, all_ids)]
 
     table = markdown_table(results)
     (out_dir / f"results.{tag}.md").write_text(table + "\n")
-    print(f"\n{model_path} ({tag}, grader math-verify {version('math-verify')})\n\n{table}")
+    print(f"\n{model_path} ({tag}, answer extraction {args.answer_extraction}, grader "
+          f"{settings['grader']})\n\n{table}")
     return results
 
 

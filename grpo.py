@@ -1,7 +1,7 @@
 """GRPO, Group Relative Policy Optimization, in one file.
 
-Paper: Shao et al., "DeepSeekMath", arXiv 2402.03300, Sec. 4.1, Eq. 3. Spec followed here:
-../shared/ALGORITHMS.md (GRPO).
+Paper: Shao et al., "DeepSeekMath", arXiv 2402.03300, Sec. 4.1, Eq. 3. The objectives of every
+script in this project, and every choice we had to make, are explained in docs/objectives.md.
 
     python grpo.py                                # bundled tiny model + arithmetic task, CPU, ~4 min
     python grpo.py --model Qwen2.5-Math-1.5B      # the real run: one CUDA GPU, MATH train split
@@ -21,27 +21,25 @@ Then, per token t of completion i (ratio against the policy that sampled the bat
     loss     = mean_i ( sum_t l_it m_it / sum_t m_it )          ("seq-mean-token-mean")
 
 with m the completion mask (through the first EOS) and k3 Schulman's KL estimator against a
-frozen copy of the starting model. The pipeline below runs in that order: arguments, model,
-rollouts, reward, advantage, loss, training loop.
+frozen copy of the starting model. The file runs in pipeline order: arguments, model, data,
+rollouts, reward, advantage, loss, training loop. Lines marked with an algorithm's name in the
+other scripts (e.g. `# TEPO:`) are where they differ from this one.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import signal
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
-from common import UserError
+from common import UserError, arg
 
 ALGO = "grpo"
 
@@ -52,107 +50,133 @@ ALGO = "grpo"
 @dataclass
 class Args:
     # --- model and data ---
-    model: str = field(default="tiny", metadata={"help": "'tiny' (bundled), a hub id such as Qwen/Qwen2.5-Math-1.5B, a short Qwen name, or a local folder"})
-    dataset: str | None = field(default=None, metadata={"help": "'tiny', 'math' (DigitalLearningGmbH/MATH-lighteval), 'dapo-math' (open-r1/DAPO-Math-17k-Processed), another hub id, or a local .jsonl/.json/.parquet; default: tiny for the tiny model, math otherwise"})
-    problem_column: str | None = field(default=None, metadata={"help": "column holding the problem text (default: the dataset's known column, else 'problem')"})
-    answer_column: str | None = field(default=None, metadata={"help": "column holding the answer (default: the dataset's known column, else 'answer')"})
-    template: str | None = field(default=None, metadata={"help": "prompt template: qwen_math, tiny or plain; default: tiny for the tiny model, qwen_math otherwise"})
-    eval_dataset: str | None = field(default=None, metadata={"help": "held-out set for periodic evaluation ('none' to disable); default: the test split of tiny or math"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow custom model code from the hub (off unless you pass this)"})
+    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
+    dataset: str | None = arg(None, "tiny, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file")
+    problem_column: str | None = arg(None, "column holding the problem (default: known, else 'problem')")
+    answer_column: str | None = arg(None, "column holding the answer (default: known, else 'answer')")
+    template: str | None = arg(None, "prompt template: qwen_math, tiny or plain")
+    eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
+    answer_extraction: str = arg("boxed", "final answer: the last \\boxed{}, or math-verify's own "
+                                 "extraction from free text", choices=list(common.ANSWER_EXTRACTIONS))
+    trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
     # --- rollouts ---
-    prompts_per_step: int | None = field(default=None, metadata={"help": "P, prompts per rollout batch (tiny 16, real 32)"})
-    group_size: int = field(default=8, metadata={"help": "G, completions sampled per prompt"})
-    max_new_tokens: int | None = field(default=None, metadata={"help": "completion length cap (tiny 40, real 3000)"})
-    max_prompt_tokens: int | None = field(default=None, metadata={"help": "longer prompts are dropped from the data; default: context length - max_new_tokens"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; log-probs use the same one"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; keep 1.0 so log-probs are those of the sampling distribution"})
-    gen_batch_size: int | None = field(default=None, metadata={"help": "completions per generate() call (tiny: the whole rollout batch, real 64)"})
+    prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
+    group_size: int = arg(8, "G, completions sampled per prompt (at least 2)")
+    max_new_tokens: int | None = arg(None, "completion length cap")
+    max_prompt_tokens: int | None = arg(None, "longer prompts are dropped (default: context - max_new_tokens)")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; keep 1.0 so log-probs describe the sampling distribution")
+    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all at once)")
     # --- objective ---
-    eps: float = field(default=0.2, metadata={"help": "clip range of the ratio: [1 - eps, 1 + eps]"})
-    beta: float = field(default=0.04, metadata={"help": "KL coefficient; 0 skips the reference model"})
+    eps: float = arg(0.2, "clip range of the ratio: [1 - eps, 1 + eps]")
+    beta: float = arg(0.04, "KL coefficient; 0 skips the reference model")
     # --- optimisation ---
-    steps: int | None = field(default=None, metadata={"help": "rollout batches to train on (tiny 160, real 500)"})
-    lr: float | None = field(default=None, metadata={"help": "AdamW learning rate (tiny 2e-4, real 1e-6)"})
-    warmup_steps: int | None = field(default=None, metadata={"help": "linear lr warm-up, in optimizer steps, then constant (tiny 4, real 10)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient-norm clipping"})
-    num_mini_batches: int | None = field(default=None, metadata={"help": "optimizer steps per rollout batch: the batch is shuffled and split into this many mini-batches (tiny 2, real 4)"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over the rollout batch"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "completions per forward/backward; gradients accumulate over micro-batches (tiny 64, real 4)"})
-    optim: str = field(default="adamw", metadata={"help": "adamw (fp32 states) or adamw8bit (bitsandbytes, saves ~9 GB on a 1.5B model)"})
-    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "recompute activations in the training pass (default: on for CUDA)"})
+    steps: int | None = arg(None, "rollout batches to train on")
+    lr: float | None = arg(None, "AdamW learning rate")
+    warmup_steps: int | None = arg(None, "linear lr warm-up in optimizer steps, then constant")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
+    num_mini_batches: int | None = arg(None, "optimizer steps per rollout batch (shuffled mini-batches)")
+    ppo_epochs: int = arg(1, "passes over the rollout batch")
+    micro_batch_size: int | None = arg(None, "completions per forward/backward (gradients accumulate)")
+    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
+    gradient_checkpointing: bool | None = arg(None, "recompute activations in the update (default: on CUDA)")
+    bf16: bool | None = arg(None, "compute in bf16 autocast over fp32 weights (default: on CUDA)")
     # --- run ---
-    seed: int = field(default=1, metadata={"help": "seed for data order, sampling and init"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    output_dir: str = field(default="runs", metadata={"help": "runs are written to <output_dir>/<run_name>/"})
-    run_name: str | None = field(default=None, metadata={"help": "default: <algo>-<model>-s<seed>-<date>"})
-    eval_every: int | None = field(default=None, metadata={"help": "held-out evaluation every N steps, and at the first and last (tiny 40, real 50)"})
-    eval_n: int | None = field(default=None, metadata={"help": "held-out problems per evaluation (tiny 256, real 500)"})
-    save_every: int | None = field(default=None, metadata={"help": "checkpoint every N steps, and at the end (tiny 80, real 50)"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "most recent checkpoints kept"})
-    sample_every: int = field(default=20, metadata={"help": "print a few completions with their rewards every N steps"})
-    grader_timeout: int = field(default=5, metadata={"help": "seconds allowed per answer parse / comparison"})
-    tensorboard: bool = field(default=True, metadata={"help": "also log to TensorBoard when it is installed"})
-    resume: str | None = field(default=None, metadata={"help": "a run folder or checkpoint to continue from; its saved arguments are used (only --steps, --device may change)"})
+    seed: int = arg(1, "seed for data order, sampling and init")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
+    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
+    eval_every: int | None = arg(None, "held-out evaluation every N steps, and at the first and last")
+    eval_n: int | None = arg(None, "held-out problems per evaluation (the same ones whatever --seed)")
+    save_every: int | None = arg(None, "checkpoint every N steps, and at the end")
+    keep_checkpoints: int = arg(2, "most recent checkpoints kept (only the newest keeps the optimizer)")
+    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
+    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
+    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
+    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place; its saved "
+                             "arguments are used (only --steps and --device may change)")
 
 
 # The two presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
 TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", prompts_per_step=16,
                      max_new_tokens=40, steps=160, lr=2e-4, warmup_steps=4, num_mini_batches=2,
-                     micro_batch_size=64, gradient_checkpointing=False, eval_every=40, eval_n=256,
-                     save_every=80)
+                     micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
 REAL_DEFAULTS = dict(dataset="math", template="qwen_math", eval_dataset="math", prompts_per_step=32,
                      max_new_tokens=3000, steps=500, lr=1e-6, warmup_steps=10, num_mini_batches=4,
-                     micro_batch_size=4, gen_batch_size=64, gradient_checkpointing=None, eval_every=50, eval_n=500,
-                     save_every=50)
-RESUME_OVERRIDABLE = ("steps", "device", "resume")
+                     micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500, save_every=50)
 
 
 def resolve_args(args: Args) -> Args:
-    """Fill every field left at None from the preset that fits the model."""
-    preset = TINY_DEFAULTS if common.is_tiny(args.model) else REAL_DEFAULTS
-    for k, v in preset.items():
+    """Fill every field left at None from the preset that fits the model, then check them all."""
+    for k, v in (TINY_DEFAULTS if common.is_tiny(args.model) else REAL_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.eval_dataset == "math" and args.dataset != "math":
-        args.eval_dataset = "none"  # only MATH and tiny come with a held-out split here
+    cuda = common.resolve_device(args.device).type == "cuda"
+    args.bf16 = cuda if args.bf16 is None else args.bf16
+    args.gradient_checkpointing = cuda if args.gradient_checkpointing is None else args.gradient_checkpointing
     if args.run_name is None:
         args.run_name = f"{ALGO}-{Path(args.model).name}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     B = args.prompts_per_step * args.group_size
-    if B % args.num_mini_batches:
-        raise UserError(f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches")
+    common.check_args(args, {
+        f"--group-size must be at least 2 (a group advantage needs 2 completions), not {args.group_size}":
+            args.group_size >= 2,
+        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches":
+            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0,
+        f"--eps must be in [0, 1), not {args.eps}": 0 <= args.eps < 1,
+        f"--beta must be >= 0, not {args.beta}": args.beta >= 0,
+    })
     return args
 
 
 # =====================================================================================
 # Model
 # =====================================================================================
-def load_model(name: str, device: torch.device, trust_remote_code: bool, trainable: bool):
-    """The policy keeps fp32 weights (bf16 weights would round away lr=1e-6 updates) and
-    computes in bf16 under autocast on CUDA; the frozen reference is stored in bf16 there."""
+def load_tokenizer(name: str, trust_remote_code: bool):
+    """The tokenizer (left padding: generation appends on the right) and the context length."""
     path = common.resolve_model_name(name)
-    dtype = torch.float32 if trainable or device.type == "cpu" else torch.bfloat16
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model folder?")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load model {name!r} ({path}): {first}") from None
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # hub errors, missing files: one line, not a deep traceback
+        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # generation appends on the right
+    tokenizer.padding_side = "left"
+    ctx = getattr(config, "max_position_embeddings", None) or min(tokenizer.model_max_length, 1 << 20)
+    return tokenizer, ctx
+
+
+def load_model(name: str, device: torch.device, args, trainable: bool):
+    """fp32 weights for the policy and the reference alike (bf16 weights would round away lr=1e-6
+    updates, and would make the reference disagree with the policy at step 0), computed in bf16
+    under autocast when --bf16. Sampling follows this script's settings only: the model's own
+    generation_config.json (temperature 0.6, top_k 20, ...) is replaced by a neutral one."""
+    path = common.resolve_model_name(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
+        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
+    own = model.generation_config
+    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id,
+                                               bos_token_id=own.bos_token_id)
     for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+    if trainable and args.gradient_checkpointing:  # only active in train mode, so generate() is not slowed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
-    return model, tokenizer
+    return model
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS, the generation config's (Qwen
-    lists <|endoftext|> and <|im_end|>), and <|im_end|> whenever the vocabulary has it."""
+    """Every id that ends a completion: the tokenizer's EOS, the model's (Qwen lists
+    <|endoftext|> and <|im_end|>), and <|im_end|> whenever the vocabulary has it."""
     ids = {tokenizer.eos_token_id}
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
@@ -162,22 +186,19 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def context_length(model, tokenizer) -> int:
-    n = getattr(model.config, "max_position_embeddings", None)
-    return n or min(tokenizer.model_max_length, 1 << 20)
-
-
-def autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+def autocast(args):
+    device_type = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(args.bf16))
 
 
 # =====================================================================================
 # Data
 # =====================================================================================
 def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None):
-    """Problems with their prompt text; prompts over max_prompt_tokens are dropped."""
-    rows = common.load_problems(dataset, split, args.problem_column, args.answer_column,
-                                limit=limit, seed=args.seed)
+    """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
+    --problem-column / --answer-column apply to the training set only."""
+    cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
+    rows = common.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
     for r in rows:
         r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
     lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
@@ -188,6 +209,23 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     if len(kept) < len(rows):
         print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than {max_prompt_tokens} tokens")
     return kept
+
+
+def load_data(args, tokenizer, ctx: int):
+    """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
+    prompt + completion within the model's context)."""
+    if args.max_new_tokens >= ctx:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                        f"this model's {ctx}-token context")
+    max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
+    if max_prompt + args.max_new_tokens > ctx:
+        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} "
+                        f"exceed this model's {ctx}-token context")
+    train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
+    if args.eval_dataset == "none":
+        print("no held-out evaluation (--eval-dataset none)")
+        return train_rows, []
+    return train_rows, load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, limit=args.eval_n)
 
 
 # =====================================================================================
@@ -204,7 +242,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Text of each completion up to its first EOS; whatever generate() padded after it is dropped."""
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
+            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
 
 
 @torch.no_grad()
@@ -212,69 +251,94 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     """Sample G completions per prompt with HF generate (KV cache on); row b belongs to
     prompt b // G. Returns token tensors with the prompt left-padded and the completion masks."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)
-    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)
-    gen_cfg = GenerationConfig(  # written out in full: a model's own defaults (top_k=50, ...) would bias sampling
+    prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
+    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
+    gen_cfg = GenerationConfig(  # every sampling setting written out: nothing may reshape the distribution
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
     model.eval()
     chunks, n = [], args.gen_batch_size or len(prompt_ids)
     for i in range(0, len(prompt_ids), n):
-        with autocast(device):
-            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n], generation_config=gen_cfg)
+        with autocast(args):
+            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
+                                 generation_config=gen_cfg)
         chunks.append(out[:, prompt_ids.shape[1]:])
     T = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks])
-    mask = completion_mask(completion_ids, eos_ids)
+    completion_ids = torch.cat([F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks])  # [B, T]
+    mask = completion_mask(completion_ids, eos_ids)  # [B, T]
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
     texts = decode_completions(tokenizer, completion_ids, mask)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                 mask=mask, truncated=truncated, texts=texts, prompts=[p for p in prompts for _ in range(G)])
 
 
-def token_logps_and_entropy(model, prompt_ids, prompt_mask, completion_ids, mask, temperature):
-    """Log-prob of each completion token and the entropy of the full next-token distribution,
-    both from logits / temperature (the distribution that was sampled). [B, T] each; the
-    entropy carries no gradient. Position ids follow the left padding, as in generate."""
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    attention_mask = torch.cat([prompt_mask, mask], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    T = completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, logits_to_keep=T + 1).logits[:, :-1, :]  # position t predicts token t+1
-    logits = logits.float() / temperature
+def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
+    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
+    extra(logits, ids) [N] (both no grad), from logits / temperature."""
+    logits = lm_head(h).float() / temperature  # [N, V]
     logz = torch.logsumexp(logits, -1)
-    logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - logz
+    logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
     with torch.no_grad():
-        entropy = logz - (F.softmax(logits, -1) * logits).sum(-1)
-    return logp, entropy
+        entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
+        extra_value = extra(logits, ids) if extra is not None else None
+    return logp, entropy, extra_value
+
+
+def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
+    """Log-prob of each completion token [b, T] and the entropy of the full next-token
+    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
+    distribution that was sampled. Position ids follow the left padding, as in generate.
+    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
+    positions at a time and is recomputed in the backward pass, so memory holds one chunk
+    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
+    Padded positions are 0 in every output."""
+    input_ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)  # [b, Tp + T]
+    attention_mask = torch.cat([batch["prompt_mask"][rows], batch["mask"][rows]], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    ids, valid = batch["completion_ids"][rows], batch["mask"][rows].bool()  # [b, T]
+    with autocast(args):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, use_cache=False).last_hidden_state
+    h = hidden[:, -ids.shape[1] - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+    lm_head, outs = model.get_output_embeddings(), []
+    for i in range(0, len(h), chunk):
+        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature, with_entropy, extra)
+        with autocast(args):
+            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+
+    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
+        if outs and outs[0][k] is None:
+            return None
+        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(valid.shape, dtype=flat.dtype, device=valid.device).masked_scatter(valid, flat)
+    return scatter(0), scatter(1), scatter(2)
 
 
 @torch.no_grad()
-def batch_logps(model, batch: dict, args, device, rows=None):
-    """No-grad log-probs and entropies over a batch, micro-batch by micro-batch."""
+def batch_logps(model, batch: dict, args, extra=None):
+    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
     model.eval()
-    rows = torch.arange(len(batch["mask"]), device=device) if rows is None else rows
-    if len(rows) == 0:
-        return (batch["mask"].new_zeros(0, batch["mask"].shape[1], dtype=torch.float32),) * 2
-    logps, ents = [], []
-    for mb in rows.split(args.micro_batch_size):
-        with autocast(device):
-            lp, ent = token_logps_and_entropy(model, batch["prompt_ids"][mb], batch["prompt_mask"][mb],
-                                              batch["completion_ids"][mb], batch["mask"][mb], args.temperature)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps), torch.cat(ents)
+    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
+        zero = batch["mask"].float()
+        return zero, zero, zero if extra is not None else None
+    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra)
+             for mb in torch.arange(len(batch["mask"]), device=batch["mask"].device).split(args.micro_batch_size)]
+    return tuple(torch.cat([p[k] for p in parts]) if parts and parts[0][k] is not None else None
+                 for k in range(3))
 
 
 # =====================================================================================
 # Reward
 # =====================================================================================
-def reward_fn(texts: list[str], answers: list[str], timeout_s: int):
-    """GRPO's outcome reward: 1 if the last \\boxed{} matches the answer (math-verify), else 0."""
-    grades = [common.grade(t, a, timeout_s) for t, a in zip(texts, answers)]
-    correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)
-    parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)
+def reward_fn(texts: list[str], answers: list[str], args):
+    """GRPO's outcome reward: r_i = 1 if the completion's final answer equals the reference
+    answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
+    math_verify: math-verify finds it in free text instead); it is compared with math-verify,
+    gold first, each parse and comparison time-bounded, and model text is never executed."""
+    grades = [common.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
+    correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
+    parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     return correct.clone(), correct, parsed
 
 
@@ -302,266 +366,167 @@ def k3_kl(q_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 def seq_mean_token_mean(l: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """sum_i ( sum_t l_it m_it / sum_t m_it ) / num_seqs. num_seqs is the size of the whole
-    mini-batch, so summing this over its micro-batches gives the unsplit value."""
-    per_seq = (l * mask).sum(1) / mask.sum(1).clamp(min=1)
+    mini-batch, so summing this over its micro-batches gives the unsplit value. Padding is
+    selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
+    m = mask.bool()
+    per_seq = torch.where(m, l, 0.0).sum(1) / m.sum(1).clamp(min=1)
     return per_seq.sum() / num_seqs
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps=0.2, beta=0.04, num_seqs=None):
     """GRPO loss (DeepSeekMath Eq. 3, KL as a loss term), aggregated seq-mean-token-mean.
+    Copy it with k3_kl and seq_mean_token_mean; it needs nothing but torch.
 
-    logp      [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
-    old_logp  [B, T]  the same under the policy that sampled the batch (no grad)
-    ref_logp  [B, T]  the same under the frozen reference model, or None when beta == 0
-    advantages [B]    one advantage per completion, broadcast to its tokens
-    mask      [B, T]  1 on completion tokens through the first EOS
-    num_seqs          completions in the whole mini-batch (default B), for micro-batching
-    Returns (loss, stats). Note: on the first update of a batch old_logp == logp, so the
-    ratio is 1 and the loss *value* is ~0 (for A of mean zero), yet its gradient is not:
-    d ratio / d logp = ratio = 1, so the gradient is -A * grad logp, the policy gradient.
+    logp       [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
+    old_logp   [B, T]  the same under the policy that sampled the batch (no grad)
+    ref_logp   [B, T]  the same under the frozen reference model, or None when beta == 0
+    advantages [B]     one advantage per completion, broadcast to its tokens
+    mask       [B, T]  1 on completion tokens through the first EOS
+    num_seqs           completions in the whole mini-batch (default B), for micro-batching
+    On the first update of a batch old_logp == logp: the ratio is 1 and the loss *value* is ~0
+    (for A of mean zero), yet its gradient is -A * grad logp, the policy gradient.
+
+    >>> logp = torch.log(torch.tensor([[0.5, 0.6], [0.5, 0.5]]))  # 2 completions, 2 tokens each
+    >>> old = torch.log(torch.tensor([[0.5, 0.4], [0.5, 0.5]]))  # token 2 of o_1: ratio 1.5
+    >>> A, m = torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+    >>> round(grpo_loss(logp, old, None, A, m, eps=0.2, beta=0.0).item(), 4)  # ((-1 - 1.2) / 2 + 1) / 2
+    -0.05
     """
-    num_seqs = num_seqs or logp.shape[0]
-    mask = mask.to(logp.dtype)
-    A = advantages[:, None]
-    ratio = torch.exp(logp - old_logp)
-    pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - eps, 1 + eps) * A)
+    A = advantages[:, None]  # [B, 1]: the same advantage on every token of a completion
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - eps, 1 + eps) * A)  # clipped surrogate
     kl = k3_kl(ref_logp, logp) if beta > 0 else torch.zeros_like(logp)
-    loss = seq_mean_token_mean(pg + beta * kl, mask, num_seqs)
-    with torch.no_grad():
-        clipped = ((ratio > 1 + eps) & (A > 0)) | ((ratio < 1 - eps) & (A < 0))
-        n = mask.sum().clamp(min=1)
-        stats = {"kl": (kl * mask).sum() / n, "clip_frac": (clipped * mask).sum() / n}
-    return loss, stats
+    return seq_mean_token_mean(pg + beta * kl, mask, num_seqs or logp.shape[0])
+
+
+@torch.no_grad()
+def grpo_stats(logp, old_logp, ref_logp, advantages, mask, eps=0.2) -> dict:
+    """What to watch: mean KL to the reference, and the share of tokens whose clip is active."""
+    A, m = advantages[:, None], mask.bool()
+    ratio = torch.exp(logp - old_logp)
+    clipped = ((ratio > 1 + eps) & (A > 0)) | ((ratio < 1 - eps) & (A < 0))
+    n = m.sum().clamp(min=1)
+    stats = {"clip_frac": (clipped & m).sum() / n}
+    if ref_logp is not None:
+        stats["kl"] = torch.where(m, k3_kl(ref_logp, logp), 0.0).sum() / n
+    return {k: v.item() for k, v in stats.items()}
 
 
 # =====================================================================================
-# Evaluation, samples, checkpoints
+# Evaluation, samples, metrics
 # =====================================================================================
 @torch.no_grad()
 def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
     """Held-out accuracy, greedy and sampled at the training temperature."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
-        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None, top_p=args.top_p if sample else None,
-                               top_k=0 if sample else None, max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
+        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
+                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
+                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
         correct, n = 0, args.gen_batch_size or 128
         model.eval()
         for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
-            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with autocast(device):
+            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            with autocast(args):
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            correct += sum(common.grade(t, p["answer"], args.grader_timeout).correct for t, p in zip(texts, chunk))
+            correct += sum(common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
+                           for t, p in zip(texts, chunk))
         out[f"eval/{name}_acc"] = correct / len(problems)
     return out
 
 
-def show_samples(step, prompts, texts, rewards, k=2):
+def show_samples(step, batch, rewards, k=2):
     tqdm.write(f"--- samples at step {step} ---")
-    for p, t, r in list(zip(prompts, texts, rewards.tolist()))[:k]:
+    for p, t, r in list(zip(batch["prompts"], batch["texts"], rewards.tolist()))[:k]:
         tqdm.write(f"[reward {r:+.2f}] {p[-80:]!r} -> {t[:300]!r}")
 
 
-BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent", "completion_len": "len", "tokens_per_s": "tok/s"}
-
-
-class GracefulInterrupt:
-    """First Ctrl-C: finish the current step, save, exit. Second Ctrl-C: stop at once."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self._handler)
-
-    def close(self):
-        signal.signal(signal.SIGINT, self.previous)
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        tqdm.write("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
+    m = batch["mask"].bool()
+    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
+            "unparsable_frac": 1 - parsed.mean().item(),
+            "zero_std_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if len(rewards) else 1.0,
+            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+            "completion_len": m.sum(1).float().mean().item(),
+            "truncated_frac": batch["truncated"].float().mean().item()}
 
 
 # =====================================================================================
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    state = None
-    if args.resume:  # continue with the run's own arguments (only a few may change)
-        ckpt = common.find_checkpoint(args.resume)
-        state = common.load_trainer_state(ckpt)
-        cli = args
-        try:
-            args = Args(**state["args"])
-        except TypeError:
-            raise UserError(f"checkpoint {str(ckpt)!r} was not written by {ALGO}.py (its arguments differ)") from None
-        for k in RESUME_OVERRIDABLE:
-            if getattr(cli, k) is not None:
-                setattr(args, k, getattr(cli, k))
-    args = resolve_args(args)
-    device = common.resolve_device(args.device)
-    common.seed_everything(args.seed)
-    run_dir = Path(args.output_dir) / args.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-
-    # --- models: the policy pi_theta, and the frozen reference pi_ref (only when beta > 0) ---
-    policy, tokenizer = load_model(str(ckpt) if state else args.model, device, args.trust_remote_code, trainable=True)
-    ref = load_model(args.model, device, args.trust_remote_code, trainable=False)[0] if args.beta > 0 else None
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = device.type == "cuda"
-    if args.gradient_checkpointing:  # only active in train mode, so generate() is not slowed
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run = common.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
+    args, device = run.args, run.device
+    tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
+    train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before any model loads
+    policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
+    ref = load_model(args.model, device, args, trainable=False) if args.beta > 0 else None  # pi_ref, frozen
     eos_ids = eos_token_ids(policy, tokenizer)
-    ctx = context_length(policy, tokenizer)
-    if args.max_new_tokens >= ctx:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
-                        f"this model's {ctx}-token context")
-    max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
-    if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} "
-                        f"exceed this model's {ctx}-token context")
-
-    # --- data ---
-    train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
-    eval_rows = [] if args.eval_dataset == "none" else load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, limit=args.eval_n)
-    sampler = common.PromptSampler(len(train_rows), args.seed)
-
-    # --- optimiser: AdamW, linear warm-up then constant lr ---
     params = [p for p in policy.parameters() if p.requires_grad]
-    if args.optim == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise UserError("--optim adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
-        optimizer = bnb.optim.AdamW8bit(params, lr=args.lr, weight_decay=args.weight_decay)
-    elif args.optim == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    else:
-        raise UserError(f"unknown --optim {args.optim!r}; use adamw or adamw8bit")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-
-    start = 0
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        common.set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"resumed {run_dir} from {ckpt.name} at step {start}")
-
-    logger = common.RunLogger(run_dir, args.tensorboard)
-    interrupt = GracefulInterrupt()
-    P, G = args.prompts_per_step, args.group_size
-    first_eval = last_metrics = None
-
-    def save(step):
-        trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                         "sampler": sampler.state_dict(), "rng": common.rng_state(), "args": dataclasses.asdict(args)}
-        return common.save_checkpoint(run_dir, step, policy, tokenizer, trainer_state, args.keep_checkpoints)
-
+    optimizer, scheduler = common.make_optimizer(params, args)
+    sampler = common.PromptSampler(len(train_rows), args.seed)
+    start = run.attach({"": policy}, tokenizer, dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler))
     if start == 0 and eval_rows:
-        first_eval = evaluate(policy, tokenizer, eval_rows, args, eos_ids, device)
-        logger.log(0, first_eval)
-        tqdm.write(f"step 0: held-out greedy acc {first_eval['eval/greedy_acc']:.3f}, sampled acc {first_eval['eval/sampled_acc']:.3f}")
+        run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
-    bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, desc=ALGO, dynamic_ncols=True)
-    for step in bar:
+    P, G = args.prompts_per_step, args.group_size
+    for step in run.steps(start):
         t0 = time.time()
-        # 1. sample P prompts, G completions each
+        # 1. Rollouts: P prompts, G completions each; row b belongs to prompt b // G
         rows = [train_rows[i] for i in sampler.take(P)]
         batch = generate_rollouts(policy, tokenizer, [r["prompt"] for r in rows], G, args, eos_ids, device)
         t_gen = time.time() - t0
 
-        # 2. reward, then group-relative advantage (one value per completion)
+        # 2. Reward r_i, then the group-relative advantage A_i (one value per completion)
         answers = [r["answer"] for r in rows for _ in range(G)]
-        rewards, correct, parsed = reward_fn(batch["texts"], answers, args.grader_timeout)
-        advantages = group_advantages(rewards, G).to(device)
+        rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
+        advantages = group_advantages(rewards, G).to(device)  # [B]
 
-        # 3. old_logp (the sampling policy, fixed for this batch) and ref_logp
-        old_logp, old_entropy = batch_logps(policy, batch, args, device)
-        ref_logp = batch_logps(ref, batch, args, device)[0] if ref is not None else None
+        # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad
+        old_logp, old_entropy, _ = batch_logps(policy, batch, args)  # [B, T] each
+        ref_logp = batch_logps(ref, batch, args)[0] if ref is not None else None  # [B, T]
 
-        # 4. several optimizer steps per rollout batch, over shuffled mini-batches
+        # 4. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
+        #    each; a mini-batch's gradient is accumulated over micro-batches
         policy.train()
         stats = []
         for _ in range(args.ppo_epochs):
             for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
                 optimizer.zero_grad(set_to_none=True)
-                mini_loss = 0.0
-                for micro in mini.split(args.micro_batch_size):
-                    with autocast(device):
-                        logp, _ = token_logps_and_entropy(policy, batch["prompt_ids"][micro], batch["prompt_mask"][micro],
-                                                          batch["completion_ids"][micro], batch["mask"][micro], args.temperature)
-                    loss, st = grpo_loss(logp, old_logp[micro], ref_logp[micro] if ref_logp is not None else None,
-                                         advantages[micro], batch["mask"][micro], args.eps, args.beta, num_seqs=len(mini))
+                loss_sum = 0.0
+                for mb in mini.split(args.micro_batch_size):
+                    logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, with_entropy=False)  # [b, T]
+                    ref_mb = ref_logp[mb] if ref_logp is not None else None
+                    loss = grpo_loss(logp, old_logp[mb], ref_mb, advantages[mb], batch["mask"][mb],
+                                     args.eps, args.beta, num_seqs=len(mini))
                     loss.backward()  # gradients add up over micro-batches to those of the mini-batch
-                    mini_loss += loss.item()
-                    stats.append({k: v.item() for k, v in st.items()})
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                stats.append({"loss": mini_loss, "grad_norm": grad_norm.item()})
+                    loss_sum += loss.item()
+                    stats.append(grpo_stats(logp, old_logp[mb], ref_mb, advantages[mb], batch["mask"][mb], args.eps))
+                stats.append({"loss": loss_sum,
+                              **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
         t_train = time.time() - t0 - t_gen
 
-        # 5. metrics, samples, evaluation, checkpoint
-        mask = batch["mask"].float()
-        n_tokens = max(mask.sum().item(), 1)
-        zero_std = (rewards.view(-1, G).std(1) == 0).float().mean().item()
-        metrics = {
-            "reward": rewards.mean().item(), "accuracy": correct.mean().item(), "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": zero_std, "entropy": ((old_entropy * mask).sum() / n_tokens).item(),
-            "completion_len": mask.sum(1).mean().item(), "truncated_frac": batch["truncated"].float().mean().item(),
-            **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
-            "time/generate": t_gen, "time/train": t_train, "tokens_per_s": n_tokens / (time.time() - t0),
-        }
+        # 5. Metrics, samples, held-out evaluation, checkpoint
+        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G), **common.reduce_stats(stats),
+                   "lr": scheduler.get_last_lr()[0], "time/generate": t_gen, "time/train": t_train,
+                   "tokens_per_s": batch["mask"].sum().item() / (time.time() - t0)}
         if step % args.sample_every == 0 or step == start + 1:
-            show_samples(step, batch["prompts"], batch["texts"], rewards)
+            show_samples(step, batch, rewards)
+            run.write_samples(step, tokenizer, batch, rewards, advantages, {"entropy": old_entropy})
         if eval_rows and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
-            tqdm.write(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, sampled acc {metrics['eval/sampled_acc']:.3f}")
-        logger.log(step, metrics)
-        last_metrics = metrics
-        bar.set_postfix({short: f"{metrics[k]:.3g}" if abs(metrics[k]) < 1000 else f"{metrics[k]:.0f}"
-                         for k, short in BAR_FIGURES.items() if k in metrics})
-        if step % args.save_every == 0 or step == args.steps or interrupt.requested:
-            path = save(step)
-            if interrupt.requested:
-                tqdm.write(f"interrupted: saved {path}; continue with: python {ALGO}.py --resume {run_dir}")
-                logger.close()
-                interrupt.close()
-                raise SystemExit(130)
-    bar.close()
-    logger.close()
-    interrupt.close()
-
-    # --- summary ---
-    summary = {"run_dir": str(run_dir), "steps": args.steps}
-    history = common.read_metrics(run_dir)
-    evals = [m for m in history if "eval/sampled_acc" in m]
-    if evals:
-        summary.update({"first_eval": {k: v for k, v in evals[0].items() if k.startswith("eval/")},
-                        "last_eval": {k: v for k, v in evals[-1].items() if k.startswith("eval/")}})
-    if last_metrics:
-        summary["last_step"] = {k: round(v, 4) for k, v in last_metrics.items() if isinstance(v, float)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\ndone: {args.steps} steps, run folder {run_dir}")
-    if evals:
-        f, l = evals[0], evals[-1]
-        print(f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> {l['eval/greedy_acc']:.3f}   "
-              f"sampled {f['eval/sampled_acc']:.3f} -> {l['eval/sampled_acc']:.3f}")
-    return summary
+        run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
+    return run.finish()
 
 
 def main(argv=None):
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
-    try:
+    args = common.parse_args(Args, argv)
+    with common.user_errors():
         return train(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""DAPO maths pinned by hand-computed values (spec: ../shared/ALGORITHMS.md, DAPO).
+"""DAPO maths pinned by hand-computed values (DAPO, arXiv 2503.14476, Sec. 3.1-3.4).
 
 Pure functions only: no model is loaded and nothing is trained here."""
 
@@ -32,10 +32,12 @@ def test_overlong_penalty_non_dyadic_cache():
 
 
 def test_reward_fn_combines_correctness_and_overlong_penalty():
-    texts = ["so \\boxed{4}", "\\boxed{5}", "no box here", "so \\boxed{4}", "\\boxed{4}", "\\boxed{3}", "\\boxed{4}"]
+    texts = ["so \\boxed{4}", "\\boxed{5}", "no box here", "so \\boxed{4}", "\\boxed{4}",
+             "\\boxed{3}", "\\boxed{4}"]
     answers = ["4"] * 7
     lengths = torch.tensor([3, 3, 3, 8, 10, 12, 6])
-    r, c, p = dapo.reward_fn(texts, answers, lengths, 10, 4, 5)  # max_new_tokens 10, cache 4 -> ramp on (6, 10]
+    args = dapo.Args(max_new_tokens=10, overlong_cache=4, grader_timeout=5)  # ramp on (6, 10]
+    r, c, p = dapo.reward_fn(texts, answers, lengths, args)
     # correct:  1,  0,  0,  1,    1,  0,  1
     # base:    +1, -1, -1, +1,   +1, -1, +1   (wrong, including unparsable, is -1, not 0)
     # penalty:  0,  0,  0, -0.5, -1, -1,  0
@@ -73,6 +75,9 @@ def test_mixed_groups_rows_belong_to_prompt_b_div_G():
 
 
 # ------------------------------------------------------------------ dynamic sampling: the loop
+ROW_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "correct",
+               "rewards")
+
 def _round(tag: str, groups: list[list[int]], Tp: int, Tc: int) -> dict:
     """A fake rollout round: one entry of `groups` per prompt (its G correctness bits).
     Every row gets its own recognisable tokens, a left-padded prompt of a row-dependent
@@ -150,32 +155,39 @@ def test_dynamic_sampling_concatenates_rounds_of_different_widths():
     rounds = [
         _round("a", [[1, 1], [0, 1], [0, 0]], Tp=3, Tc=4),  # 1 mixed group (prompt 1), 2 dropped
         _round("b", [[1, 0], [1, 1]], Tp=5, Tc=2),          # 1 mixed (prompt 0), 1 dropped
-        _round("c", [[0, 0], [0, 1]], Tp=2, Tc=6),          # 1 mixed (prompt 1), 1 dropped -> 3 kept, stop
+        _round("c", [[0, 0], [0, 1]], Tp=2, Tc=6),          # 1 mixed, 1 dropped -> 3 kept, stop
     ]
     sampler = FakeSampler(rounds)
     batch, info = dapo.dynamic_sampling(sampler, P, G, 10)
     assert sampler.calls == 3  # stops as soon as P mixed groups are in hand
     assert info["rounds"] == 3 and info["kept_groups"] == 3 and info["dropped_groups"] == 4
     assert not info["hit_round_limit"]
-    assert batch["texts"] == ["a-p1-row2", "a-p1-row3", "b-p0-row0", "b-p0-row1", "c-p1-row2", "c-p1-row3"]
-    for k in ("prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "correct", "rewards"):
+    assert batch["texts"] == ["a-p1-row2", "a-p1-row3", "b-p0-row0", "b-p0-row1", "c-p1-row2",
+                              "c-p1-row3"]
+    for k in ROW_TENSORS:
         assert batch[k].shape[0] == P * G, k
     assert len(batch["answers"]) == P * G
-    # the longest kept rows have 3 real prompt tokens (round a, row 2) and 5 real completion tokens (round c, row 2)
+    # the longest kept rows have 3 real prompt tokens (round a, row 2) and 5 real completion
+    # tokens (round c, row 2)
     assert batch["prompt_ids"].shape[1] >= 3 and batch["completion_ids"].shape[1] >= 5
-    assert batch["prompt_mask"].shape == batch["prompt_ids"].shape and batch["mask"].shape == batch["completion_ids"].shape
+    assert batch["prompt_mask"].shape == batch["prompt_ids"].shape
+    assert batch["mask"].shape == batch["completion_ids"].shape
     _assert_rows_preserved(batch, rounds)
     # every kept group is mixed, and rows stay grouped G at a time
     assert dapo.mixed_groups(batch["correct"], G).all()
-    # hand check of one row: round b (Tp = 5, Tc = 2), row 1: lp = 1 + 1 % 5 = 2 prompt tokens, lc = 1 + 2 % 2 = 1
+    # hand check of one row: round b (Tp = 5, Tc = 2), row 1: lp = 1 + 1 % 5 = 2 prompt tokens,
+    # lc = 1 + 2 % 2 = 1 completion token
     j = batch["texts"].index("b-p0-row1")
-    assert batch["prompt_ids"][j][batch["prompt_mask"][j].bool()].tolist() == [rounds[1]["prompt_ids"][1, -2].item(), rounds[1]["prompt_ids"][1, -1].item()]
-    assert batch["completion_ids"][j][batch["mask"][j].bool()].tolist() == [rounds[1]["completion_ids"][1, 0].item()]
+    b = rounds[1]
+    assert batch["prompt_ids"][j][batch["prompt_mask"][j].bool()].tolist() == \
+        [b["prompt_ids"][1, -2].item(), b["prompt_ids"][1, -1].item()]
+    assert batch["completion_ids"][j][batch["mask"][j].bool()].tolist() == \
+        [b["completion_ids"][1, 0].item()]
 
 
 def test_dynamic_sampling_trims_to_exactly_P_groups():
     G, P = 3, 2
-    rounds = [_round("a", [[0, 1, 1], [1, 1, 1], [1, 0, 0], [0, 0, 1]], Tp=4, Tc=5)]  # 3 mixed, 1 dropped
+    rounds = [_round("a", [[0, 1, 1], [1, 1, 1], [1, 0, 0], [0, 0, 1]], Tp=4, Tc=5)]  # 3 mixed
     sampler = FakeSampler(rounds)
     batch, info = dapo.dynamic_sampling(sampler, P, G, 5)
     assert sampler.calls == 1 and info["rounds"] == 1
@@ -184,7 +196,8 @@ def test_dynamic_sampling_trims_to_exactly_P_groups():
     assert batch["correct"].shape == (P * G,) and batch["rewards"].shape == (P * G,)
     # whole groups are kept (never a partial one), each of them mixed
     prompts = [t.split("-row")[0] for t in batch["texts"]]
-    assert prompts[0:3] == [prompts[0]] * 3 and prompts[3:6] == [prompts[3]] * 3 and prompts[0] != prompts[3]
+    assert prompts[0:3] == [prompts[0]] * 3 and prompts[3:6] == [prompts[3]] * 3
+    assert prompts[0] != prompts[3]
     assert set(prompts) <= {"a-p0", "a-p2", "a-p3"}
     assert dapo.mixed_groups(batch["correct"], G).all()
     _assert_rows_preserved(batch, rounds)
@@ -214,7 +227,7 @@ def test_dynamic_sampling_zero_kept_groups(capsys):
     assert info["rounds"] == 3 and info["kept_groups"] == 0 and info["dropped_groups"] == 6
     assert info["hit_round_limit"]
     assert "round limit" in "".join(capsys.readouterr())
-    for k in ("prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "correct", "rewards"):
+    for k in ROW_TENSORS:
         assert isinstance(batch[k], torch.Tensor) and batch[k].shape[0] == 0, k
     assert batch["texts"] == [] and batch["answers"] == []
 
@@ -243,8 +256,10 @@ def test_token_mean_vs_seq_mean_token_mean_unequal_lengths():
 
 # ------------------------------------------------------------------ loss: clip-higher
 def _one_token_loss(ratio, A, **kw):
-    logp = torch.full((1, 1), math.log(ratio))
-    return dapo.dapo_loss(logp, torch.zeros(1, 1), torch.tensor([A]), torch.ones(1, 1), 1.0, **kw)
+    """(loss, stats) of a single token with the given ratio and advantage."""
+    logp, old = torch.full((1, 1), math.log(ratio)), torch.zeros(1, 1)
+    A, mask = torch.tensor([A]), torch.ones(1, 1)
+    return dapo.dapo_loss(logp, old, A, mask, 1.0, **kw), dapo.dapo_stats(logp, old, A, mask, **kw)
 
 
 @pytest.mark.parametrize("ratio,A,clip_high,expected,clipped", [
@@ -274,8 +289,10 @@ def test_dapo_loss_hand_value_token_mean_and_clip_frac():
     ratio = torch.tensor([[1.25, 1.3, 9.0], [0.5, 9.0, 9.0]])  # the 9s sit on padding
     logp = torch.log(ratio).requires_grad_()
     A = torch.tensor([1.0, -1.0])
-    loss, st = dapo.dapo_loss(logp, torch.zeros(2, 3), A, mask, 3.0)
-    # row 0 (A = 1): -1.25 (unclipped), -1.28 (clipped); row 1 (A = -1): -min(-0.5, -0.8) = 0.8 (clipped)
+    loss = dapo.dapo_loss(logp, torch.zeros(2, 3), A, mask, 3.0)
+    st = dapo.dapo_stats(logp, torch.zeros(2, 3), A, mask)
+    # row 0 (A = 1): -1.25 (unclipped), -1.28 (clipped);
+    # row 1 (A = -1): -min(-0.5, -0.8) = 0.8 (clipped)
     # token-mean over 3 tokens: (-1.25 - 1.28 + 0.8) / 3
     assert loss.item() == pytest.approx((-1.25 - 1.28 + 0.8) / 3, abs=1e-6)
     assert float(st["clip_frac"]) == pytest.approx(2 / 3)
@@ -285,14 +302,37 @@ def test_dapo_loss_hand_value_token_mean_and_clip_frac():
     assert torch.allclose(logp.grad, expected, atol=1e-6)
 
 
+def test_dapo_stats_clip_frac_counts_active_clips_on_valid_tokens_only():
+    # one token per case; columns: ratio, A
+    #   1.30, +1  above 1 + 0.28 with A > 0            -> clipped
+    #   1.25, +1  inside [0.8, 1.28]                   -> not
+    #   0.70, -1  below 1 - 0.2 with A < 0             -> clipped
+    #   0.70, +1  below the range but A > 0 (min = ratio * A) -> not
+    #   1.50, -1  above the range but A < 0            -> not
+    #   1.50,  0  A == 0                               -> not
+    #   0.10, -1  would be clipped, but sits on padding -> not counted at all
+    ratio = torch.tensor([[1.30, 1.25, 0.70, 0.70, 1.50, 1.50, 0.10]]).T  # [7, 1]
+    A = torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0, 0.0, -1.0])
+    mask = torch.tensor([[1], [1], [1], [1], [1], [1], [0]])
+    st = dapo.dapo_stats(torch.log(ratio), torch.zeros(7, 1), A, mask)
+    assert set(st) == {"clip_frac"} and isinstance(st["clip_frac"], float)
+    assert st["clip_frac"] == pytest.approx(2 / 6)
+    # the symmetric clip 0.2 / 0.2 also clips 1.25 with A > 0
+    st = dapo.dapo_stats(torch.log(ratio), torch.zeros(7, 1), A, mask, clip_low=0.2, clip_high=0.2)
+    assert st["clip_frac"] == pytest.approx(3 / 6)
+    # no valid token at all: 0, not NaN
+    assert dapo.dapo_stats(torch.log(ratio), torch.zeros(7, 1), A, 0 * mask)["clip_frac"] == 0.0
+
+
 def test_first_update_gradient_is_token_mean_policy_gradient():
     """ratio == 1 on the first update: gradient -A_i m_it / N_tokens (every token weighs the same,
     unlike GRPO's -A_i m_it / (|o_i| B))."""
     B, T = 4, 5
     logp = torch.randn(B, T, requires_grad=True)
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]).float()
-    loss, _ = dapo.dapo_loss(logp, logp.detach(), A, mask, float(mask.sum()))  # N = 11
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0]]).float()
+    loss = dapo.dapo_loss(logp, logp.detach(), A, mask, float(mask.sum()))  # N = 11
     loss.backward()
     assert torch.allclose(logp.grad, -A[:, None] * mask / 11, atol=1e-7)
 
@@ -308,14 +348,15 @@ def test_dapo_loss_micro_batch_invariance_of_value_and_gradients():
     N = float(mask.sum())  # counted once, before the micro-batch loop
 
     full = logp0.clone().requires_grad_()
-    loss_full, st = dapo.dapo_loss(full, old, A, mask, N)
+    loss_full = dapo.dapo_loss(full, old, A, mask, N)
+    st = dapo.dapo_stats(full, old, A, mask)
     loss_full.backward()
     assert 0 < float(st["clip_frac"]) < 1  # both clipped and unclipped tokens are exercised
     for k in (2, 3, B):
         split = logp0.clone().requires_grad_()
         total = 0.0
         for idx in torch.arange(B).tensor_split(k):
-            l, _ = dapo.dapo_loss(split[idx], old[idx], A[idx], mask[idx], N)
+            l = dapo.dapo_loss(split[idx], old[idx], A[idx], mask[idx], N)
             l.backward()
             total += l.item()
         assert total == pytest.approx(loss_full.item(), abs=1e-6)

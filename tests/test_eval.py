@@ -1,9 +1,11 @@
-"""eval.py: pass@k, grading through common.grade, an end-to-end run on a tiny model, --resume,
-and one-line errors. CPU only, offline; about half a minute."""
+"""eval.py: pass@k, grading through common.grade, an end-to-end run on a tiny model, decoding that
+ignores the model's generation_config.json, --resume and its settings check, benchmark labels,
+--answer-extraction, and one-line errors. CPU only, offline; under a minute."""
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -92,7 +94,8 @@ def test_named_benchmarks_read_their_columns(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     args = ev.Args()
     assert ev.load_benchmark("olympiadbench", args)[2] == [
-        {"problem": "Find x.", "answer": "\\frac{1}{2}"}, {"problem": "Find all y.", "answer": "1, -1"}]
+        {"problem": "Find x.", "answer": "\\frac{1}{2}"},
+        {"problem": "Find all y.", "answer": "1, -1"}]
     assert ev.load_benchmark("gsm8k", args)[2] == [{"problem": "How many?", "answer": "1200"}]
     assert ev.load_benchmark("amc23", args)[2] == [{"problem": "What?", "answer": "27"}]
     assert ev.load_benchmark("aime24", args)[2][0]["answer"] == "073"
@@ -198,8 +201,8 @@ def one_thread():
 
 
 def tiny_argv(model_dir, out, *extra):
-    return ["--model", str(model_dir), "--benchmarks", "tiny", "--template", "tiny", "--device", "cpu",
-            "--limit", "16", "--max-new-tokens", "40", "--batch-size", "8",
+    return ["--model", str(model_dir), "--benchmarks", "tiny", "--template", "tiny",
+            "--device", "cpu", "--limit", "16", "--max-new-tokens", "40", "--batch-size", "8",
             "--output-dir", str(out), *extra]
 
 
@@ -259,7 +262,8 @@ def test_round_trip_check_catches_a_char_tokenizer_loaded_as_qwen2(tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
     chars = ["<|endoftext|>", "\n"] + [chr(i) for i in range(32, 127)]
-    raw = Tokenizer(models.WordLevel({t: i for i, t in enumerate(chars)}, unk_token="<|endoftext|>"))
+    vocab = {t: i for i, t in enumerate(chars)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     raw.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
@@ -276,7 +280,8 @@ def test_generate_cuts_at_the_first_eos_by_position(model_dir):
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     eos, im_end = tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
-    a, b, c = tok("12", add_special_tokens=False)["input_ids"] + tok("+", add_special_tokens=False)["input_ids"]
+    a, b, c = (tok("12", add_special_tokens=False)["input_ids"]
+               + tok("+", add_special_tokens=False)["input_ids"])
     prompt = [[a, b], [a, b], [a, b]]
     completions = [[c, a, im_end, b, eos], [c, eos, eos, eos, eos], [c, a, b, c, a]]
 
@@ -369,7 +374,8 @@ def test_resume_skips_done_samples(model_dir, tmp_path, one_thread, monkeypatch)
     rows = read_jsonl(path)
     assert len(rows) == 16 and sorted(r["idx"] for r in rows) == list(range(16))
     assert rows[:11] == full[:11]  # kept as they were
-    assert {r["idx"] for r in rows[11:]} == {r["idx"] for r in full[11:]}  # exactly the missing ones
+    # exactly the missing ones
+    assert {r["idx"] for r in rows[11:]} == {r["idx"] for r in full[11:]}
     assert json.loads((tmp_path / "tiny.greedy.json").read_text())["n_samples"] == 16
 
     generated.clear()
@@ -385,7 +391,8 @@ def test_context_length_and_argument_errors(model_dir, tmp_path):
     with pytest.raises(UserError, match="template"):
         ev.evaluate(ev.parse_args(tiny_argv(model_dir, tmp_path, "--template", "nope")))
     with pytest.raises(UserError, match="cannot load model"):
-        ev.evaluate(ev.parse_args(["--model", str(tmp_path), "--benchmarks", "tiny"]))  # no model there
+        # no model there
+        ev.evaluate(ev.parse_args(["--model", str(tmp_path), "--benchmarks", "tiny"]))
 
 
 @pytest.mark.skipif(not (common.TINY_MODEL_DIR / "config.json").is_file(),
@@ -424,3 +431,378 @@ def test_cli_missing_column(tmp_path):
     data.write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2", "a": "4"}\n')
     proc = run_cli("--benchmarks", str(data), "--problem-column", "question")
     assert_one_line_error(proc, "question")
+
+
+# =====================================================================================
+# Decoding follows eval.py's settings, never the model's generation_config.json
+# =====================================================================================
+# What a Qwen-style generation_config.json may ask for, exaggerated so that greedy output changes
+# if any of it leaks in: generate() fills every field its GenerationConfig leaves unset from it.
+SHIPPED = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9,
+           "repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+
+
+@pytest.fixture
+def shipped_model_dir(model_dir, tmp_path):
+    """The test model (the bundled tiny one when built) whose generation_config.json asks for
+    sampling with top-k 20, top-p 0.9, a repetition penalty and no repeated bigrams."""
+    import shutil
+
+    path = tmp_path / "shipped-model"
+    shutil.copytree(model_dir, path)
+    cfg_path = path / "generation_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg_path.write_text(json.dumps({**cfg, **SHIPPED}))
+    return path
+
+
+@pytest.fixture
+def processors(monkeypatch):
+    """Every LogitsProcessorList that generate() builds, i.e. what actually shapes the logits."""
+    from transformers.generation.utils import GenerationMixin
+
+    seen, real = [], GenerationMixin._get_logits_processor
+
+    def spy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        seen.append(list(out))
+        return out
+
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
+    return seen
+
+
+def argmax_decode(model, tok, prompt: list[int], stop: set[int], max_new: int) -> list[int]:
+    """Greedy decoding by hand, one full forward per token: the reference for greedy eval."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = model(torch.tensor([ids])).logits[0, -1].argmax().item()
+            out.append(t)
+            if t in stop:
+                break
+            ids.append(t)
+    return out
+
+
+def test_greedy_ignores_the_shipped_generation_config(shipped_model_dir, tmp_path, one_thread,
+                                                      processors):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out"
+    assert ev.main(tiny_argv(shipped_model_dir, out, "--limit", "6")) == 0
+    assert processors and all(p == [] for p in processors)  # nothing reshapes the logits
+    rows = read_jsonl(out / "tiny.greedy.jsonl")
+    tok = AutoTokenizer.from_pretrained(shipped_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(shipped_model_dir, dtype=torch.float32).eval()
+    assert model.generation_config.repetition_penalty == 1.5  # the shipped file is as written
+    stop = set(ev.stop_token_ids(tok, model))
+    for r in rows:
+        prompt = tok(common.build_prompt(tok, r["problem"], "tiny"))["input_ids"]
+        ref = argmax_decode(model, tok, prompt, stop, 40)
+        assert r["completion"] == tok.decode(ref, skip_special_tokens=True), r["problem"]
+        assert r["tokens"] == len(ref)
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    ("1", {"TemperatureLogitsWarper": ("temperature", 0.7)}),  # top-p 1 and no top-k: no cut
+    ("0.8", {"TemperatureLogitsWarper": ("temperature", 0.7), "TopPLogitsWarper": ("top_p", 0.8)}),
+])
+def test_sampling_uses_only_the_requested_warpers(shipped_model_dir, tmp_path, one_thread,
+                                                   processors, top_p, expected):
+    argv = tiny_argv(shipped_model_dir, tmp_path, "--limit", "2", "--max-new-tokens", "4",
+                     "--n", "2", "--temperature", "0.7", "--top-p", top_p)
+    assert ev.main(argv) == 0
+    assert processors
+    for procs in processors:  # no top-k 20, no shipped top-p, no penalties
+        assert {type(p).__name__ for p in procs} == set(expected)
+        for p in procs:
+            attr, value = expected[type(p).__name__]
+            assert getattr(p, attr) == pytest.approx(value)
+
+
+# =====================================================================================
+# --resume only continues the same evaluation
+# =====================================================================================
+def constant_generate(text="so \\boxed{0}", log=None):
+    """Stands in for generation: every completion is `text`; `log` collects the prompts."""
+    def gen(model, tok, prompt_ids, stop_ids):
+        if log is not None:
+            log.extend(prompt_ids)
+        return [(text, 5, False) for _ in prompt_ids]
+    return gen
+
+
+@pytest.mark.parametrize("first, second, needle", [
+    ((), ("--max-new-tokens", "20"), "--max-new-tokens 40 (now 20)"),
+    ((), ("--template", "plain"), "--template tiny (now plain)"),
+    ((), ("--answer-extraction", "math_verify"), "--answer-extraction boxed (now math_verify)"),
+    (("--max-new-tokens", "20", "--template", "plain"), (),
+     "--template plain (now tiny), --max-new-tokens 20 (now 40)"),
+])
+def test_resume_refuses_other_settings(model_dir, tmp_path, monkeypatch, capsys, first, second,
+                                       needle):
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    assert ev.main(tiny_argv(model_dir, tmp_path, *first)) == 0
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    assert ev.main(tiny_argv(model_dir, tmp_path, *second, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --resume: ") and needle in err[0], err
+    assert str(tmp_path / "tiny.greedy.jsonl") in err[0]
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # nothing touched
+
+
+def test_resume_refuses_another_model(model_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    other = tmp_path / "other-model"
+    shutil.copytree(model_dir, other)
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    out = tmp_path / "out"
+    assert ev.main(tiny_argv(model_dir, out)) == 0
+    assert ev.main(tiny_argv(other, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--model {Path(model_dir).resolve()} (now {other.resolve()})" in err
+
+
+def test_check_resume_compares_every_recorded_setting(tmp_path):
+    """Against a results JSON written by hand: each setting that changes the score is named with
+    its old and new values; seed, batch size, dtype and device are not compared."""
+    stem = tmp_path / "bench.n4-t0.6-p0.95"
+    Path(f"{stem}.jsonl").write_text('{"idx": 0}\n')
+    dec = {"greedy": False, "n": 4, "temperature": 0.6, "top_p": 0.95, "top_k": 0,
+           "max_new_tokens": 100, "template": "plain", "seed": 0, "batch_size": 8,
+           "dtype": "float32", "device": "cpu"}
+    old = {"model": "org/model", "decoding": dec, "answer_extraction": "boxed",
+           "grader": "math-verify 1.0"}
+    Path(f"{stem}.json").write_text(json.dumps(old))
+    ev.check_resume(stem, old)  # the same settings: fine
+    ev.check_resume(stem, {**old, "decoding": {**dec, "seed": 1, "batch_size": 2,
+                                                "dtype": "bfloat16", "device": "cuda"}})
+    changes = [("decoding", "n", 5, "--n 4 (now 5)"),
+               ("decoding", "temperature", 0.7, "--temperature 0.6 (now 0.7)"),
+               ("decoding", "top_p", 1.0, "--top-p 0.95 (now 1.0)"),
+               ("decoding", "max_new_tokens", 50, "--max-new-tokens 100 (now 50)"),
+               ("decoding", "template", "qwen_math", "--template plain (now qwen_math)"),
+               (None, "model", "org/other", "--model org/model (now org/other)"),
+               (None, "answer_extraction", "math_verify", "(now math_verify)"),
+               (None, "grader", "math-verify 2.0", "grader math-verify 1.0 (now math-verify 2.0)")]
+    for where, key, value, needle in changes:
+        new = {**old, "decoding": {**dec}}
+        (new["decoding"] if where else new)[key] = value
+        with pytest.raises(UserError, match=re.escape(needle)):
+            ev.check_resume(stem, new)
+    # a JSON from before --answer-extraction existed was graded on the last \boxed{}
+    Path(f"{stem}.json").write_text(json.dumps({k: v for k, v in old.items()
+                                                if k != "answer_extraction"}))
+    ev.check_resume(stem, old)
+    with pytest.raises(UserError, match="answer-extraction boxed"):
+        ev.check_resume(stem, {**old, "answer_extraction": "math_verify"})
+    # samples without the JSON that says how they were made cannot be resumed
+    Path(f"{stem}.json").unlink()
+    with pytest.raises(UserError, match="missing or unreadable"):
+        ev.check_resume(stem, old)
+    Path(f"{stem}.json").write_text('{"model": "org/mo')  # half written
+    with pytest.raises(UserError, match="missing or unreadable"):
+        ev.check_resume(stem, old)
+    Path(f"{stem}.jsonl").write_text("")  # nothing to resume: nothing to check
+    ev.check_resume(stem, old)
+
+
+def test_resume_after_a_crash_checks_the_settings_written_up_front(model_dir, tmp_path,
+                                                                    monkeypatch, capsys):
+    """The settings are on disk before the first sample, so a run killed mid-way is checked too."""
+    calls = []
+
+    def crash_on_second_batch(model, tok, prompt_ids, stop_ids):
+        calls.append(len(prompt_ids))
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return [("\\boxed{0}", 5, False) for _ in prompt_ids]
+
+    monkeypatch.setattr(ev, "generate", crash_on_second_batch)
+    with pytest.raises(RuntimeError, match="killed"):
+        ev.main(tiny_argv(model_dir, tmp_path))
+    res = json.loads((tmp_path / "tiny.greedy.json").read_text())
+    assert res["complete"] is False and res["metrics"] is None
+    assert res["decoding"]["max_new_tokens"] == 40 and res["answer_extraction"] == "boxed"
+    assert len(read_jsonl(tmp_path / "tiny.greedy.jsonl")) == 8  # one batch of 8
+
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--max-new-tokens", "30", "--resume")) == 2
+    assert "--max-new-tokens 40 (now 30)" in capsys.readouterr().err
+    generated = []
+    monkeypatch.setattr(ev, "generate", constant_generate("\\boxed{0}", generated))
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--resume")) == 0
+    assert len(generated) == 8
+    res = json.loads((tmp_path / "tiny.greedy.json").read_text())
+    assert res["complete"] is True and res["n_samples"] == 16 and res["metrics"]["accuracy"] >= 0
+
+
+def test_cli_resume_with_other_settings_is_one_line(model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [{"idx": 0, "sample": 0, "problem": "1+1", "gold": "2"}]
+    (out / "tiny.greedy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "tiny.greedy.json").write_text(json.dumps({
+        "model": str(Path(model_dir).resolve()), "answer_extraction": "boxed",
+        "grader": "math-verify " + version("math-verify"),
+        "decoding": {"greedy": True, "n": 1, "temperature": 0.0, "top_p": 1.0,
+                     "max_new_tokens": 40, "template": "tiny"}}))
+    proc = run_cli(*tiny_argv(model_dir, out, "--max-new-tokens", "20", "--resume"))
+    assert_one_line_error(proc, "--resume", "--max-new-tokens 40 (now 20)")
+
+
+# =====================================================================================
+# Benchmark labels: files with the same name never share outputs
+# =====================================================================================
+def write_problems(path: Path, problems: list[tuple[str, str]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in problems))
+    return path
+
+
+def test_same_file_name_in_two_folders(model_dir, tmp_path, monkeypatch):
+    a = write_problems(tmp_path / "a" / "test.jsonl", [("1+1", "2"), ("2+2", "4")])
+    b = write_problems(tmp_path / "b" / "test.jsonl", [("3+3", "6"), ("4+4", "8"), ("5+5", "10")])
+    monkeypatch.setattr(ev, "generate", constant_generate("\\boxed{4}"))
+
+    def argv(out, benchmarks):
+        return ["--model", str(model_dir), "--benchmarks", benchmarks, "--template", "tiny",
+                "--device", "cpu", "--max-new-tokens", "8", "--output-dir", str(out)]
+
+    def by_source(out):
+        found = {}
+        for path in out.glob("*.greedy.json"):
+            res = json.loads(path.read_text())
+            assert path.name == res["benchmark"] + ".greedy.json"
+            found[res["source"]] = res
+        return found
+
+    # in one run
+    assert ev.main(argv(tmp_path / "one", f"{a},{b}")) == 0
+    found = by_source(tmp_path / "one")
+    assert set(found) == {str(a.resolve()), str(b.resolve())}
+    ra, rb = found[str(a.resolve())], found[str(b.resolve())]
+    assert ra["benchmark"] != rb["benchmark"]
+    assert ra["benchmark"].startswith("test-") and rb["benchmark"].startswith("test-")  # readable
+    assert (ra["n_problems"], rb["n_problems"]) == (2, 3)
+    assert ra["metrics"]["accuracy"] == 0.5 and rb["metrics"]["accuracy"] == 0  # own problems
+    for res in (ra, rb):
+        assert len(read_jsonl(res["samples_file"])) == res["n_problems"]
+    table = (tmp_path / "one" / "results.greedy.md").read_text()
+    assert f"| {ra['benchmark']} | 2 |" in table and f"| {rb['benchmark']} | 3 |" in table
+    # in two runs into the same folder: the second keeps the first's results
+    assert ev.main(argv(tmp_path / "two", str(a))) == 0
+    assert ev.main(argv(tmp_path / "two", str(b))) == 0
+    found = by_source(tmp_path / "two")
+    assert [found[str(p.resolve())]["n_problems"] for p in (a, b)] == [2, 3]
+    # the label depends on the file, not on how its path is spelled
+    monkeypatch.chdir(tmp_path)
+    assert ev.load_benchmark("a/test.jsonl", ev.Args())[0] == ra["benchmark"]
+    assert ev.load_benchmark(str(a), ev.Args())[0] == ra["benchmark"]
+
+
+def test_one_benchmark_named_twice_is_an_error(model_dir, tmp_path, monkeypatch):
+    a = write_problems(tmp_path / "a.jsonl", [("1+1", "2")])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="twice"):
+        ev.evaluate(ev.parse_args(tiny_argv(model_dir, tmp_path, "--benchmarks", f"a.jsonl,{a}")))
+    with pytest.raises(UserError, match="tiny twice"):
+        ev.evaluate(ev.parse_args(tiny_argv(model_dir, tmp_path, "--benchmarks", "tiny,tiny")))
+
+
+def test_hub_dataset_labels_carry_the_split(monkeypatch):
+    monkeypatch.setattr(ev, "load_problems", lambda *a, **kw: [{"problem": "p", "answer": "1"}])
+    args = ev.Args()
+    assert ev.load_benchmark("org/data", args)[0] == "org__data-test"
+    args.split = "train"
+    assert ev.load_benchmark("org/data", args)[0] == "org__data-train"
+    args.split = "test[:10%]"  # a datasets slice: no brackets, colons or % in file names
+    label = ev.load_benchmark("org/data", args)[0]
+    assert label.startswith("org__data-test") and re.fullmatch(r"[\w.-]+", label)
+
+
+# =====================================================================================
+# --answer-extraction
+# =====================================================================================
+def test_answer_extraction_reaches_grade(model_dir, tmp_path, monkeypatch):
+    seen = []
+    real = ev.grade
+
+    def spy(completion, gold, *a, **kw):
+        seen.append(kw.get("extraction"))
+        return real(completion, gold, *a, **kw)
+
+    monkeypatch.setattr(ev, "grade", spy)
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    assert ev.main(tiny_argv(model_dir, tmp_path / "mv", "--answer-extraction", "math_verify")) == 0
+    assert seen == ["math_verify"] * 16
+    res = json.loads((tmp_path / "mv" / "tiny.greedy.json").read_text())
+    assert res["answer_extraction"] == "math_verify"
+    seen.clear()
+    assert ev.main(tiny_argv(model_dir, tmp_path / "boxed")) == 0  # the default
+    assert seen == ["boxed"] * 16
+    assert json.loads((tmp_path / "boxed" / "tiny.greedy.json").read_text())[
+        "answer_extraction"] == "boxed"
+
+
+def test_answer_extraction_grades_unboxed_answers(model_dir, tmp_path, monkeypatch):
+    """A model that never boxes: 'The answer is: <gold>' on even problems, '#### <gold + 1>' on
+    odd ones. boxed extraction finds nothing; math_verify finds both and grades them."""
+    problems = tiny_task("test", 16)
+    answers = {p["problem"]: p["answer"] for p in problems}
+
+    def unboxed(model, tok, prompt_ids, stop_ids):
+        out = []
+        for text in tok.batch_decode(prompt_ids, skip_special_tokens=True):
+            problem = max((p for p in answers if p in text), key=len)
+            ans = int(answers[problem])
+            out.append((f"The answer is: {ans}" if ans % 2 == 0 else f"#### {ans + 1}", 5, False))
+        return out
+
+    monkeypatch.setattr(ev, "generate", unboxed)
+    even = sum(int(p["answer"]) % 2 == 0 for p in problems)
+    assert 0 < even < 16
+    assert ev.main(tiny_argv(model_dir, tmp_path / "boxed")) == 0
+    m = json.loads((tmp_path / "boxed" / "tiny.greedy.json").read_text())["metrics"]
+    assert m["accuracy"] == 0 and m["unparsed"] == 16
+    assert ev.main(tiny_argv(model_dir, tmp_path / "mv", "--answer-extraction", "math_verify")) == 0
+    m = json.loads((tmp_path / "mv" / "tiny.greedy.json").read_text())["metrics"]
+    assert m["accuracy"] == pytest.approx(even / 16) and m["unparsed"] == 0
+
+
+def test_cli_unknown_answer_extraction():
+    proc = run_cli("--answer-extraction", "regex")
+    assert proc.returncode == 2 and "invalid choice: 'regex'" in proc.stderr
+
+
+# =====================================================================================
+# One-line errors during a run
+# =====================================================================================
+def test_out_of_memory_is_one_line_and_resumable(model_dir, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def oom_on_second_batch(model, tok, prompt_ids, stop_ids):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return [("\\boxed{0}", 5, False) for _ in prompt_ids]
+
+    monkeypatch.setattr(ev, "generate", oom_on_second_batch)
+    assert ev.main(tiny_argv(model_dir, tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: out of memory") and "--batch-size 8" in err[-1]
+    assert "--resume" in err[-1] and "8 samples done" in err[-1]
+    assert len(read_jsonl(tmp_path / "tiny.greedy.jsonl")) == 8  # kept for --resume
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--batch-size", "4", "--resume")) == 0
+    assert json.loads((tmp_path / "tiny.greedy.json").read_text())["n_samples"] == 16
+
+
+def test_output_dir_that_cannot_be_made(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="cannot create --output-dir"):
+        ev.evaluate(ev.parse_args(tiny_argv(model_dir, blocker / "out")))

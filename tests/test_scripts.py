@@ -15,7 +15,8 @@ SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--eval-n", "16", "--ev
 COMMON_METRICS = ("reward", "accuracy", "zero_std_frac", "loss", "entropy", "clip_frac", "completion_len",
                   "truncated_frac", "time/generate", "time/train", "tokens_per_s", "unparsable_frac", "grad_norm")
 EXTRA_METRICS = {"grpo": ("kl",), "dapo": ("kept_groups", "dropped_groups", "gen_rounds"),
-                 "tepo": ("mask_frac", "masked_entropy", "other_entropy", "seq_ratio_min", "seq_ratio_max", "masked_kl", "kl")}
+                 "tepo": ("mask_frac", "masked_entropy", "other_entropy", "seq_ratio_min", "seq_ratio_max",
+                          "masked_kl", "kl")}
 
 
 def _weights(run_dir):
@@ -136,23 +137,29 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
 
 @pytest.mark.parametrize("flags", [
     ["--ratio-level", "token", "--entropy-baseline", "ref", "--kl-target", "old"],
+    ["--entropy-test", "observed", "--entropy-baseline", "ref"],
+    ["--entropy-test", "observed", "--entropy-tol", "0"],
     ["--entropy-baseline", "ref", "--kl-coef", "0"],
     ["--kl-target", "old"],
 ])
 def test_tepo_flag_variants_run(flags, tmp_path):
     import tepo
-    tepo.main(["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "v", *SMALL, *flags])
+    tepo.main(["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "v",
+               *SMALL, *flags])
     row = common.read_metrics(tmp_path / "v")[-1]
     assert 0.0 <= row["mask_frac"] <= 1.0 and row["seq_ratio_min"] <= row["seq_ratio_max"]
 
 
 def test_dapo_with_no_mixed_group_skips_the_update(tmp_path, capsys):
     """Two new tokens can never hold a boxed answer: every group is all wrong, none is kept,
-    the round limit is reported, and the step passes without an update or a crash."""
+    the round limit is reported, and the step passes without an update or a crash, logging
+    strict JSON (no bare NaN for the metrics of an empty batch)."""
     import dapo
     from safetensors.torch import load_file
     dapo.main(["--steps", "1", "--max-new-tokens", "2", "--overlong-cache", "1", "--max-gen-rounds", "2",
                "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "z", *SMALL])
+    text = (tmp_path / "z" / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
     row = common.read_metrics(tmp_path / "z")[-1]
     assert row["kept_groups"] == 0 and row["gen_rounds"] == 2 and row["dropped_groups"] == 8
     assert "round limit" in capsys.readouterr().out

@@ -1,0 +1,1052 @@
+"""SAPO, Segment-Aligned Policy Optimization, in one file.
+
+Paper: Gao et al., "Segment-Aligned Policy Optimization for Multi-Modal Reasoning",
+arXiv 2605.01327, ICML 2026 (Sec. 4, Eqs. 5-13, Algorithm 1, Table 7), and the authors'
+released verl-based code. Not Qwen's "Soft Adaptive Policy Optimization", which shares the
+acronym and is a different method (a soft gate instead of the clip). The objectives of every
+script in this project, and every choice we had to make, are explained in docs/objectives.md.
+
+    python sapo.py                                # bundled tiny model + arithmetic task, CPU
+    python sapo.py --model Qwen2.5-Math-1.5B      # the real run: one CUDA GPU, MATH train split
+    python sapo.py --resume runs/<run-name>       # continue a stopped run exactly where it stopped
+    python eval.py --model runs/<run-name>/checkpoint-<step>   # the policy; the critic is in critic/
+
+SAPO is PPO with a critic in which the unit of credit is a reasoning segment, not a token
+(PPO) and not a whole response (GRPO). One completion is sampled per prompt (G = 1). Each
+completion is cut into segments that end at its highest-entropy tokens; a critic values the
+state before each segment; GAE runs over segments; every token of a segment gets the
+segment's advantage and the segment's importance ratio (the geometric mean of its token
+ratios). Segment m spans tokens b_m..e_m:
+
+    ends      top ceil(30% of n) entropy positions of each completion, and its last token
+    r_m       -kl_coef * sum_{t in m} (old_logp_t - ref_logp_t)  (+ outcome on the last m)
+    delta_m   r_m + gamma V(s_{m+1}) - V(s_m),   V(s_{M+1}) = 0                     (Eq. 6)
+    A_m       sum_l (gamma lam)^l delta_{m+l},   R_m = A_m + V(s_m)                 (Eq. 7)
+    log s_m   mean_{t in m} (logp_t - old_logp_t)                                   (Eq. 8)
+    l_t       -min(s_m A_m, clip(s_m, 1 - eps_low, 1 + eps_high) A_m),  m = m(t)    (Eq. 9)
+    l_V       0.5 max((V - R)^2, (V_clip - R)^2) at segment states                  (Eq. 10)
+
+From the paper:
+- Segments: the response is split into consecutive segments, the state s_m is the prompt
+  plus every token before segment m (Sec. 4.1, Eq. 5); segment ends are the tokens whose
+  sampling-policy entropy ranks in the top k% of the response, and the last token always
+  ends a segment (Sec. 4.2, Eq. 11); k = 30% (Fig. 5), --segment-frac.
+- GAE over segments (Eqs. 6-7), gamma = 1.0, lambda = 0.99 (Table 7); A_m is given to every
+  token of segment m.
+- Segment ratio = geometric mean of the segment's token ratios (Eq. 8), clipped surrogate
+  over tokens with the ratio and advantage of each token's segment (Eq. 9), whose gradient
+  is Eq. 13; value loss at segment states only (Eq. 10).
+- Reward: the outcome reward (1 right, 0 wrong) on the final segment (Sec. 4.1.2) and a k1
+  KL penalty in the reward with coefficient 0.001 (Table 7), --kl-coef.
+- A critic trained with its own optimizer, lr 2e-6 for a policy lr of 1e-6 (Table 7); one
+  completion per prompt, and 4 optimizer steps per rollout batch (512 prompts, mini-batches
+  of 128; Table 7).
+From the official code:
+- k = ceil(k% * n), at least 1 per non-empty completion.
+- Per-token rewards are summed over a segment to give r_m.
+- Advantages whitened over all valid tokens of the rollout batch (Bessel's correction,
+  +1e-8 under the square root), then clamped to [-5, 5] (--adv-clip).
+- Clip 0.2 / 0.28 (its run script; the paper writes a symmetric eps). Token-mean over the
+  mini-batch (Eq. 9 writes 1/T per response). Token log-ratios clamped to +-20 before the
+  segment mean; dual clip c = 3 on negative advantages.
+- Value loss 0.5 * max(unclipped, clipped), value clip 0.5 (--value-clip), averaged over
+  all segment states of the mini-batch (Eq. 10 has neither the 0.5 nor the clip and
+  averages per response).
+- The critic is the starting model with a scalar head on every position and no dropout
+  (verl's critic, on which the code builds: a token-classification model with one output).
+- --value-at end: the official code reads V(s_m) at the segment's last token (the prefix
+  before that token) and trains the critic there; the default, start, is the paper's s_m.
+- Its reward also subtracts a length penalty that the paper does not mention: left out here.
+Our reading (not stated by either):
+- Ties in entropy: the earlier position ranks first (the official code's torch.topk leaves
+  the tie order unspecified).
+- ceil(k% * n) is taken with a 1e-9 tolerance against floating-point error: 7% of 100
+  tokens is 7, where a plain ceil of 0.07 * 100 = 7.000000000000001 gives 8.
+- The segment ratio is carried to each token as sg(log s_m) + x_t - sg(x_t), x_t the
+  clamped token log-ratio: the value of Eq. 8 and, since a segment's tokens share s_m and
+  A_m, the same gradient as differentiating through Eq. 8's mean (Eq. 13; the tests check
+  both). An implementation choice, not a change of the maths.
+- The critic's new value head starts at zero weight and bias (see load_critic), where
+  transformers would draw it at random; the critic uses the policy's warm-up, gradient
+  clipping and weight decay, and steps on the same shuffled mini-batches as the policy, one
+  critic step per policy step.
+- A completion with no valid token has no segment and receives no reward.
+- explained_variance is NaN (logged as null) when the returns have zero variance.
+- The tiny preset: 128 prompts x 1 (the other scripts' 128 completions per step), critic lr
+  2x the policy's as in the paper. The real preset: 256 prompts x 1 (grpo.py's 256
+  completions per step on one GPU; the paper's 512 ran on 8 GPUs), 4 mini-batches as the
+  paper, MATH as the other scripts (the paper trains on Geo3K images, not text).
+
+The file runs in pipeline order: arguments, model (+ the critic), data, rollouts, segments,
+reward, advantage, loss, training loop. Lines marked `# SAPO` are where it differs from
+grpo.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          GenerationConfig)
+
+import common
+from common import UserError, arg
+
+ALGO = "sapo"
+
+
+# =====================================================================================
+# Arguments
+# =====================================================================================
+@dataclass
+class Args:
+    # --- model and data ---
+    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
+    dataset: str | None = arg(None, "tiny, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file")
+    problem_column: str | None = arg(None, "column holding the problem (default: known, else 'problem')")
+    answer_column: str | None = arg(None, "column holding the answer (default: known, else 'answer')")
+    template: str | None = arg(None, "prompt template: qwen_math, tiny or plain")
+    eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
+    answer_extraction: str = arg("boxed", "final answer: the last \\boxed{}, or math-verify's own "
+                                 "extraction from free text", choices=list(common.ANSWER_EXTRACTIONS))
+    trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
+    # --- rollouts ---
+    prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
+    group_size: int = arg(1, "G, completions sampled per prompt (1: PPO-style, as the paper)")  # SAPO
+    max_new_tokens: int | None = arg(None, "completion length cap")
+    max_prompt_tokens: int | None = arg(None, "longer prompts are dropped (default: context - max_new_tokens)")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; keep 1.0 so log-probs describe the sampling distribution")
+    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all at once)")
+    # --- objective ---
+    clip_low: float = arg(0.2, "eps_low: the segment ratio is clipped below at 1 - eps_low")  # SAPO
+    clip_high: float = arg(0.28, "eps_high: the segment ratio is clipped above at 1 + eps_high "
+                           "(official code; the paper writes one eps)")  # SAPO
+    kl_coef: float = arg(0.001, "coefficient of the k1 KL penalty in the segment rewards; 0 loads no "
+                         "reference model")  # SAPO
+    segment_frac: float = arg(0.3, "k: this fraction of each completion's tokens, those of highest entropy, "
+                              "end segments")  # SAPO
+    gamma: float = arg(1.0, "GAE discount over segments")  # SAPO
+    lam: float = arg(0.99, "GAE lambda over segments")  # SAPO
+    adv_clip: float = arg(5.0, "whitened advantages are clamped to [-adv_clip, adv_clip] (official code)")  # SAPO
+    # --- critic ---
+    critic_model: str | None = arg(None, "model the critic starts from (default: --model); it must "
+                                   "use the policy's tokenizer")  # SAPO
+    critic_lr: float | None = arg(None, "critic AdamW learning rate (the paper: 2e-6 with --lr 1e-6)")  # SAPO
+    value_at: str = arg("start", "V(s_m) at the segment's first token (start: the paper's state before "
+                        "the segment) or at its last (end: the official code)",
+                        choices=["start", "end"])  # SAPO
+    value_clip: float = arg(0.5, "the value loss clips V - V_old to [-value_clip, value_clip]")  # SAPO
+    # --- optimisation ---
+    steps: int | None = arg(None, "rollout batches to train on")
+    lr: float | None = arg(None, "AdamW learning rate")
+    warmup_steps: int | None = arg(None, "linear lr warm-up in optimizer steps, then constant")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
+    num_mini_batches: int | None = arg(None, "optimizer steps per rollout batch (shuffled mini-batches)")
+    ppo_epochs: int = arg(1, "passes over the rollout batch")
+    micro_batch_size: int | None = arg(None, "completions per forward/backward (gradients accumulate)")
+    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
+    gradient_checkpointing: bool | None = arg(None, "recompute activations in the update (default: on CUDA)")
+    bf16: bool | None = arg(None, "compute in bf16 autocast over fp32 weights (default: on CUDA)")
+    # --- run ---
+    seed: int = arg(1, "seed for data order, sampling and init")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
+    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
+    eval_every: int | None = arg(None, "held-out evaluation every N steps, and at the first and last")
+    eval_n: int | None = arg(None, "held-out problems per evaluation (the same ones whatever --seed)")
+    save_every: int | None = arg(None, "checkpoint every N steps, and at the end")
+    keep_checkpoints: int = arg(2, "most recent checkpoints kept (only the newest keeps the optimizer)")
+    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
+    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
+    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
+    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place; its saved "
+                             "arguments are used (only --steps and --device may change)")
+
+
+# The two presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
+TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", prompts_per_step=128,  # SAPO: x 1
+                     critic_lr=4e-4,  # SAPO
+                     max_new_tokens=40, steps=160, lr=2e-4, warmup_steps=4, num_mini_batches=2,
+                     micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
+REAL_DEFAULTS = dict(dataset="math", template="qwen_math", eval_dataset="math", prompts_per_step=256,  # SAPO: x 1
+                     critic_lr=2e-6,  # SAPO
+                     max_new_tokens=3000, steps=500, lr=1e-6, warmup_steps=10, num_mini_batches=4,
+                     micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500, save_every=50)
+
+
+def resolve_args(args: Args) -> Args:
+    """Fill every field left at None from the preset that fits the model, then check them all."""
+    for k, v in (TINY_DEFAULTS if common.is_tiny(args.model) else REAL_DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    cuda = common.resolve_device(args.device).type == "cuda"
+    args.bf16 = cuda if args.bf16 is None else args.bf16
+    args.gradient_checkpointing = cuda if args.gradient_checkpointing is None else args.gradient_checkpointing
+    if args.run_name is None:
+        args.run_name = f"{ALGO}-{Path(args.model).name}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    B = args.prompts_per_step * args.group_size
+    common.check_args(args, {
+        f"--group-size must be at least 1, not {args.group_size}": args.group_size >= 1,  # SAPO: a critic, no group
+        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches":
+            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0,
+        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,  # SAPO
+        f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
+        f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
+        f"--segment-frac must be in (0, 1], not {args.segment_frac}": 0 < args.segment_frac <= 1,
+        f"--gamma must be in [0, 1], not {args.gamma}": 0 <= args.gamma <= 1,
+        f"--lam must be in [0, 1], not {args.lam}": 0 <= args.lam <= 1,
+        f"--adv-clip must be > 0, not {args.adv_clip}": args.adv_clip > 0,
+        f"--critic-lr must be > 0, not {args.critic_lr}": args.critic_lr > 0,
+        f"--value-at must be start or end, not {args.value_at!r}": args.value_at in ("start", "end"),
+        f"--value-clip must be > 0, not {args.value_clip}": args.value_clip > 0,
+    })
+    return args
+
+
+# =====================================================================================
+# Model
+# =====================================================================================
+def load_tokenizer(name: str, trust_remote_code: bool):
+    """The tokenizer (left padding: generation appends on the right) and the context length."""
+    path = common.resolve_model_name(name)
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model folder?")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # hub errors, missing files: one line, not a deep traceback
+        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    ctx = getattr(config, "max_position_embeddings", None) or min(tokenizer.model_max_length, 1 << 20)
+    return tokenizer, ctx
+
+
+def load_model(name: str, device: torch.device, args, trainable: bool):
+    """fp32 weights for the policy and the reference alike (bf16 weights would round away lr=1e-6
+    updates, and would make the reference disagree with the policy at step 0), computed in bf16
+    under autocast when --bf16. Sampling follows this script's settings only: the model's own
+    generation_config.json (temperature 0.6, top_k 20, ...) is replaced by a neutral one."""
+    path = common.resolve_model_name(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
+        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
+    own = model.generation_config
+    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id,
+                                               bos_token_id=own.bos_token_id)
+    for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    if trainable and args.gradient_checkpointing:  # only active in train mode, so generate() is not slowed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(device)
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    return model
+
+
+def load_critic(name: str, device: torch.device, args, tokenizer):  # SAPO
+    """SAPO's critic V: the model `name` with a scalar value head on every position
+    (AutoModelForTokenClassification, num_labels=1, as verl builds critics), fp32 weights
+    computed under the same autocast as the policy, and no dropout (V_old must equal V before
+    the first update; the head would add a dropout of 0.1). A head the folder does not hold
+    (the first load, from a language model) starts at zero weight and bias (our reading;
+    transformers would draw it at random): V = 0 at every state on step 1, so the first
+    advantages are the whitened returns rather than the noise of a random head."""
+    path = common.resolve_model_name(name)
+    try:
+        critic, info = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+            output_loading_info=True)
+    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
+        raise UserError(f"cannot load the critic from {name!r} ({path}): {common.first_line(e)}") from None
+    n_vocab = critic.get_input_embeddings().num_embeddings
+    if n_vocab < len(tokenizer):
+        raise UserError(f"the critic model {name!r} has {n_vocab} token embeddings, fewer than the "
+                        f"{len(tokenizer)} tokens of the policy's tokenizer: --critic-model must use that tokenizer")
+    with torch.no_grad():
+        for key in info["missing_keys"]:
+            if not key.startswith(critic.base_model_prefix + "."):  # the new head, not the base model
+                critic.get_parameter(key).zero_()
+    for m in critic.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    if args.gradient_checkpointing:  # only active in train mode
+        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return critic.to(device)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS, the model's (Qwen lists
+    <|endoftext|> and <|im_end|>), and <|im_end|> whenever the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def autocast(args):
+    device_type = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(args.bf16))
+
+
+# =====================================================================================
+# Data
+# =====================================================================================
+def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None):
+    """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
+    --problem-column / --answer-column apply to the training set only."""
+    cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
+    rows = common.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
+    for r in rows:
+        r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+    kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
+    if not kept:
+        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
+                        f"(context - max_new_tokens); lower --max-new-tokens")
+    if len(kept) < len(rows):
+        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than {max_prompt_tokens} tokens")
+    return kept
+
+
+def load_data(args, tokenizer, ctx: int):
+    """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
+    prompt + completion within the model's context)."""
+    if args.max_new_tokens >= ctx:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                        f"this model's {ctx}-token context")
+    max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
+    if max_prompt + args.max_new_tokens > ctx:
+        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} "
+                        f"exceed this model's {ctx}-token context")
+    train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
+    if args.eval_dataset == "none":
+        print("no held-out evaluation (--eval-dataset none)")
+        return train_rows, []
+    return train_rows, load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, limit=args.eval_n)
+
+
+# =====================================================================================
+# Rollouts
+# =====================================================================================
+def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
+    never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    T = completion_ids.shape[1]
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
+    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Text of each completion up to its first EOS; whatever generate() padded after it is dropped."""
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
+            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+
+
+@torch.no_grad()
+def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_ids, device) -> dict:
+    """Sample G completions per prompt with HF generate (KV cache on); row b belongs to
+    prompt b // G. Returns token tensors with the prompt left-padded and the completion masks."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
+    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
+    gen_cfg = GenerationConfig(  # every sampling setting written out: nothing may reshape the distribution
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
+        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    model.eval()
+    chunks, n = [], args.gen_batch_size or len(prompt_ids)
+    for i in range(0, len(prompt_ids), n):
+        with autocast(args):
+            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
+                                 generation_config=gen_cfg)
+        chunks.append(out[:, prompt_ids.shape[1]:])
+    T = max(c.shape[1] for c in chunks)
+    completion_ids = torch.cat([F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks])  # [B, T]
+    mask = completion_mask(completion_ids, eos_ids)  # [B, T]
+    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
+    texts = decode_completions(tokenizer, completion_ids, mask)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                mask=mask, truncated=truncated, texts=texts, prompts=[p for p in prompts for _ in range(G)])
+
+
+def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
+    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
+    extra(logits, ids) [N] (both no grad), from logits / temperature."""
+    logits = lm_head(h).float() / temperature  # [N, V]
+    logz = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
+    with torch.no_grad():
+        entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
+        extra_value = extra(logits, ids) if extra is not None else None
+    return logp, entropy, extra_value
+
+
+def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
+    """Log-prob of each completion token [b, T] and the entropy of the full next-token
+    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
+    distribution that was sampled. Position ids follow the left padding, as in generate.
+    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
+    positions at a time and is recomputed in the backward pass, so memory holds one chunk
+    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
+    Padded positions are 0 in every output."""
+    input_ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)  # [b, Tp + T]
+    attention_mask = torch.cat([batch["prompt_mask"][rows], batch["mask"][rows]], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    ids, valid = batch["completion_ids"][rows], batch["mask"][rows].bool()  # [b, T]
+    with autocast(args):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, use_cache=False).last_hidden_state
+    h = hidden[:, -ids.shape[1] - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+    lm_head, outs = model.get_output_embeddings(), []
+    for i in range(0, len(h), chunk):
+        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature, with_entropy, extra)
+        with autocast(args):
+            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+
+    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
+        if outs and outs[0][k] is None:
+            return None
+        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(valid.shape, dtype=flat.dtype, device=valid.device).masked_scatter(valid, flat)
+    return scatter(0), scatter(1), scatter(2)
+
+
+@torch.no_grad()
+def batch_logps(model, batch: dict, args, extra=None):
+    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
+    model.eval()
+    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
+        zero = batch["mask"].float()
+        return zero, zero, zero if extra is not None else None
+    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra)
+             for mb in torch.arange(len(batch["mask"]), device=batch["mask"].device).split(args.micro_batch_size)]
+    return tuple(torch.cat([p[k] for p in parts]) if parts and parts[0][k] is not None else None
+                 for k in range(3))
+
+
+def token_values(critic, batch, rows, args):  # SAPO
+    """The critic's value V(x, y_<t) of each completion token t, [b, T], 0 on padding: the value
+    head at the input position just before token t (the last prompt token for t = 0), the
+    position whose logits give logp[:, t], so it values the state in which token t is chosen.
+    Input, position ids and autocast as in token_logps_and_entropy; with grad when enabled."""
+    input_ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)  # [b, Tp + T]
+    attention_mask = torch.cat([batch["prompt_mask"][rows], batch["mask"][rows]], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    valid = batch["mask"][rows].bool()  # [b, T]
+    with autocast(args):
+        v = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[..., 0]  # [b, Tp + T]
+    return torch.where(valid, v[:, -valid.shape[1] - 1:-1].float(), 0.0)  # position t - 1 values token t
+
+
+@torch.no_grad()
+def batch_values(critic, batch: dict, args) -> torch.Tensor:  # SAPO
+    """No-grad token values [B, T] over the whole batch, micro-batch by micro-batch."""
+    critic.eval()
+    rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
+    return torch.cat([token_values(critic, batch, mb, args) for mb in rows.split(args.micro_batch_size)])
+
+
+# =====================================================================================
+# Segments
+# =====================================================================================
+def _seg_sum(x: torch.Tensor, seg_id: torch.Tensor, mask: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, T] -> [B, S]: sum of x over the valid tokens of each segment (padding adds nothing)."""
+    valid = mask.bool()
+    out = x.new_zeros(x.shape[0], S)
+    if S == 0:
+        return out
+    return out.scatter_add(1, torch.where(valid, seg_id, 0), torch.where(valid, x, 0.0))
+
+
+def _seg_mean(x: torch.Tensor, seg_id: torch.Tensor, mask: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, T] -> [B, S]: mean of x over the valid tokens of each segment (0 for padded ones)."""
+    count = _seg_sum(mask.bool().to(x.dtype), seg_id, mask, S)
+    return _seg_sum(x, seg_id, mask, S) / count.clamp(min=1)
+
+
+def segment_ends(entropy: torch.Tensor, mask: torch.Tensor, frac: float = 0.3) -> torch.Tensor:
+    """[B, T] entropies of the sampling policy, [B, T] mask -> [B, T] bool, True where a
+    segment ends (inclusive).
+
+    Per completion with n valid tokens, the k = ceil(frac * n) highest-entropy valid
+    positions are ends (ceil as the official code: every non-empty completion gets at least
+    one; our 1e-9 tolerance keeps 0.07 * 100 = 7.000000000000001 from giving 8), and the
+    last valid token always is, so a completion has k or k + 1 segments. Ties go to the
+    earlier position (our reading). Padding is never an end, whatever its entropy.
+
+    >>> entropy = torch.tensor([[0.1, 2.0, 0.3, 1.5, 0.2, 9.0]])  # 9.0 sits on padding
+    >>> mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    >>> segment_ends(entropy, mask).long().tolist()  # k = ceil(1.5) = 2: positions 1, 3; last 4
+    [[0, 1, 0, 1, 1, 0]]
+    """
+    if not 0 < frac <= 1:
+        raise ValueError(f"frac must be in (0, 1], not {frac}")
+    valid = mask.bool()
+    B, T = valid.shape
+    n = valid.sum(1)
+    k = torch.ceil(n.double() * frac - 1e-9).long().clamp(min=1)
+    score = torch.where(valid, entropy, float("-inf"))
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices  # stable: earlier first
+    positions = torch.arange(T, device=valid.device).expand(B, T)
+    rank = torch.empty_like(order).scatter_(1, order, positions)
+    top = rank < k[:, None]
+    last = valid.long().flip(1).cumsum(1).flip(1) == 1  # no valid token after this one
+    return valid & (top | last)
+
+
+def segment_index(ends: torch.Tensor, mask: torch.Tensor):
+    """[B, T] ends (from segment_ends: the last valid token must be one), [B, T] mask ->
+    (seg_id [B, T] long, seg_mask [B, S] bool). seg_id is the 0-based segment of each valid
+    token and -1 on padding; S is the largest number of segments in the batch and seg_mask
+    marks the segments that exist. Segment m spans b_m..e_m, e_m being its end.
+
+    >>> ends = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 0, 0, 0, 0, 0]]).bool()
+    >>> mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]])
+    >>> seg_id, seg_mask = segment_index(ends, mask)
+    >>> seg_id.tolist()
+    [[0, 0, 1, 1, 2, -1], [0, -1, -1, -1, -1, -1]]
+    >>> seg_mask.tolist()
+    [[True, True, True], [True, False, False]]
+    """
+    valid = mask.bool()
+    e = (ends.bool() & valid).long()
+    seg_id = torch.where(valid, e.cumsum(1) - e, -1)  # ends strictly before t
+    n_seg = e.sum(1)
+    S = int(n_seg.max()) if n_seg.numel() else 0
+    seg_mask = torch.arange(S, device=valid.device)[None, :] < n_seg[:, None]
+    return seg_id, seg_mask
+
+
+def to_tokens(seg_values: torch.Tensor, seg_id: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] per-segment values -> [B, T]: each valid token gets its segment's value, padding 0.
+
+    >>> seg_id = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    >>> to_tokens(torch.tensor([[0.5, -1.0, 2.0]]), seg_id, seg_id >= 0).tolist()
+    [[0.5, 0.5, -1.0, -1.0, 2.0, 0.0]]
+    """
+    valid = mask.bool()
+    if seg_values.shape[1] == 0:
+        return seg_values.new_zeros(valid.shape)
+    return torch.where(valid, seg_values.gather(1, torch.where(valid, seg_id, 0)), 0.0)
+
+
+def segment_state_values(token_values, seg_id, seg_mask, mask, value_at: str = "start"):
+    """[B, T] value-head outputs -> [B, S] V(s_m), with gradient (for the critic's loss).
+
+    Alignment: token_values[:, t] is the value head applied to the hidden state of the input
+    position just before completion token t (the last prompt token for t = 0), the position
+    whose logits give logp[:, t]. It is V(x, y_<t): the state in which token t is chosen.
+    - "start" (default, the paper's s_m = (x, y_<=e_{m-1}), Sec. 4.1): token_values[:, b_m],
+      the state before the segment's first token.
+    - "end" (the official code): token_values[:, e_m], the prefix before the segment's last
+      token. The two agree on one-token segments.
+    Padded segments get 0.
+
+    >>> v = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 9.9]])
+    >>> seg_id = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    >>> seg_mask = torch.tensor([[True, True, True]])
+    >>> start = segment_state_values(v, seg_id, seg_mask, seg_id >= 0)  # V at b_m = 0, 2, 4
+    >>> end = segment_state_values(v, seg_id, seg_mask, seg_id >= 0, "end")  # at e_m = 1, 3, 4
+    >>> [round(x, 4) for x in start[0].tolist()], [round(x, 4) for x in end[0].tolist()]
+    ([0.1, 0.3, 0.5], [0.2, 0.4, 0.5])
+    """
+    valid = mask.bool()
+    no = torch.zeros_like(valid[:, :1])
+    if value_at == "start":  # first token of its segment: previous token invalid or elsewhere
+        prev_valid = torch.cat([no, valid[:, :-1]], 1)
+        prev_id = torch.cat([seg_id[:, :1], seg_id[:, :-1]], 1)
+        pick = valid & (~prev_valid | (prev_id != seg_id))
+    elif value_at == "end":  # last token of its segment
+        next_valid = torch.cat([valid[:, 1:], no], 1)
+        next_id = torch.cat([seg_id[:, 1:], seg_id[:, -1:]], 1)
+        pick = valid & (~next_valid | (next_id != seg_id))
+    else:
+        raise ValueError(f"value_at must be 'start' or 'end', not {value_at!r}")
+    out = _seg_sum(torch.where(pick, token_values, 0.0), seg_id, mask, seg_mask.shape[1])
+    return torch.where(seg_mask, out, 0.0)
+
+
+# =====================================================================================
+# Reward
+# =====================================================================================
+def reward_fn(texts: list[str], answers: list[str], args):
+    """GRPO's outcome reward: r_i = 1 if the completion's final answer equals the reference
+    answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
+    math_verify: math-verify finds it in free text instead); it is compared with math-verify,
+    gold first, each parse and comparison time-bounded, and model text is never executed."""
+    grades = [common.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
+    correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
+    parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
+    return correct.clone(), correct, parsed
+
+
+def segment_rewards(old_logp, ref_logp, outcome, seg_id, seg_mask, mask, kl_coef=0.001):
+    """[B, S] segment rewards r_m = -kl_coef * sum_{t in m} (old_logp_t - ref_logp_t), plus
+    outcome[b] (1 correct / 0 wrong) on the completion's last segment. The KL part is the k1
+    estimator in the reward, as the paper's Table 7; ref_logp may be None when kl_coef == 0.
+
+    old_logp, ref_logp [B, T]   log-probs of the sampled tokens (sampling policy, reference)
+    outcome            [B]      outcome reward per completion
+    seg_id, seg_mask, mask      from segment_index
+
+    >>> old = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
+    >>> ref = torch.tensor([[-2.0, -2.5, -0.5, -4.0]])  # old - ref = 1.0, 0.5 | 0.0, 3.0
+    >>> seg_id = torch.tensor([[0, 0, 1, 1]])
+    >>> r = segment_rewards(old, ref, torch.tensor([1.0]), seg_id, torch.tensor([[True, True]]),
+    ...                     seg_id >= 0, kl_coef=0.1)
+    >>> [round(x, 4) for x in r[0].tolist()]  # -0.1 * 1.5 | 1 - 0.1 * 3
+    [-0.15, 0.7]
+    """
+    S = seg_mask.shape[1]
+    outcome = outcome.to(old_logp.dtype)
+    r = outcome.new_zeros(seg_mask.shape)
+    if kl_coef:
+        kl = torch.where(mask.bool(), old_logp - ref_logp, 0.0)
+        r = r - kl_coef * _seg_sum(kl, seg_id, mask, S)
+    if S:
+        last = (seg_mask.sum(1) - 1).clamp(min=0)
+        bonus = torch.where(seg_mask.any(1), outcome, 0.0)  # no segment, no reward
+        r = r.scatter_add(1, last[:, None], bonus[:, None])
+    return torch.where(seg_mask, r, 0.0)
+
+
+# =====================================================================================
+# Advantage
+# =====================================================================================
+@torch.no_grad()
+def segment_gae(rewards, values, seg_mask, gamma: float = 1.0, lam: float = 0.99):
+    """[B, S] rewards r_m and state values V(s_m) -> (advantages [B, S], returns [B, S]).
+
+    delta_m = r_m + gamma V(s_{m+1}) - V(s_m) with V(s_{M+1}) = 0 (Eq. 6);
+    A_m = sum_l (gamma lam)^l delta_{m+l}, R_m = A_m + V(s_m) (Eq. 7). Each row stops at its
+    own last segment; padded segments get 0.
+
+    >>> r = torch.tensor([[0.0, 1.0]])
+    >>> v = torch.tensor([[0.5, 0.8]])
+    >>> A, R = segment_gae(r, v, torch.tensor([[True, True]]), gamma=1.0, lam=0.5)
+    >>> [round(x, 4) for x in A[0].tolist()]  # delta = (0.3, 0.2); A_1 = 0.3 + 0.5 * 0.2
+    [0.4, 0.2]
+    >>> [round(x, 4) for x in R[0].tolist()]
+    [0.9, 1.0]
+    """
+    B, S = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last_adv, next_v = rewards.new_zeros(B), rewards.new_zeros(B)
+    for m in reversed(range(S)):
+        ok = seg_mask[:, m]
+        delta = rewards[:, m] + gamma * next_v - values[:, m]
+        last_adv = torch.where(ok, delta + gamma * lam * last_adv, 0.0)
+        adv[:, m] = last_adv
+        next_v = torch.where(ok, values[:, m], 0.0)  # 0 past a row's last segment
+    return adv, torch.where(seg_mask, adv + values, 0.0)
+
+
+@torch.no_grad()
+def whiten_and_clamp(adv_tokens, mask, clip: float = 5.0, eps: float = 1e-8):
+    """[B, T] -> [B, T]: (A - mean) / sqrt(var + eps) over all valid tokens of the rollout
+    batch (var with Bessel's correction), clamped to [-clip, clip], 0 on padding (official
+    code). Call it once on the whole rollout batch, before splitting it into mini-batches.
+
+    >>> a = torch.tensor([[1.0, 1.0, 4.0, 0.0]])
+    >>> [round(x, 4) for x in whiten_and_clamp(a, torch.tensor([[1, 1, 1, 0]]))[0].tolist()]
+    [-0.5774, -0.5774, 1.1547, 0.0]
+    """
+    valid = mask.bool()
+    n = valid.sum()
+    x = torch.where(valid, adv_tokens, 0.0)
+    mean = x.sum() / n.clamp(min=1)
+    var = torch.where(valid, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+    out = ((x - mean) * torch.rsqrt(var + eps)).clamp(-clip, clip)
+    return torch.where(valid, out, 0.0)
+
+
+@torch.no_grad()
+def segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args) -> dict:  # SAPO
+    """Everything SAPO fixes once per rollout batch, before any update (no grad):
+
+    ends [B, T] bool, seg_id [B, T], seg_mask [B, S]   segments from the sampling policy's
+                                                       entropies (Eq. 11, --segment-frac)
+    token_values [B, T], old_values [B, S]             the critic's V(x, y_<t), and V(s_m)
+                                                       read per --value-at
+    returns [B, S]                                     R_m, the critic's targets (Eq. 7)
+    raw_advantages, advantages [B, T]                  A_m on the tokens of segment m, before
+                                                       and after whitening over the whole
+                                                       rollout batch and clamping
+    outcome [B] is the reward per completion; ref_logp is None when --kl-coef is 0."""
+    mask = batch["mask"]
+    ends = segment_ends(old_entropy, mask, args.segment_frac)
+    seg_id, seg_mask = segment_index(ends, mask)
+    tok_values = batch_values(critic, batch, args)
+    old_values = segment_state_values(tok_values, seg_id, seg_mask, mask, args.value_at)
+    rewards = segment_rewards(old_logp, ref_logp, outcome, seg_id, seg_mask, mask, args.kl_coef)
+    adv, returns = segment_gae(rewards, old_values, seg_mask, args.gamma, args.lam)  # Eqs. 6-7
+    raw = to_tokens(adv, seg_id, mask)
+    return dict(ends=ends, seg_id=seg_id, seg_mask=seg_mask, token_values=tok_values, old_values=old_values,
+                returns=returns, raw_advantages=raw, advantages=whiten_and_clamp(raw, mask, args.adv_clip))
+
+
+# =====================================================================================
+# Loss
+# =====================================================================================
+def segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, clamp: float | None = 20.0):
+    """[B, T] log of the segment ratio s_m (Eq. 8) on every token of segment m, 0 on padding.
+
+    With x_t = clamp(logp_t - old_logp_t, -clamp, clamp) (the clamp is the official code's;
+    None disables it), log s_m = mean of x_t over the segment, carried to each token as
+    sg(log s_m) + x_t - sg(x_t): its value is log s_m, and d/d logp_t is 1 (0 where the
+    clamp is active) with nothing through the other tokens. Since every token of a segment
+    shares s_m and A_m, a token-mean of any f(s_m, A_m) then has, for each logp_t, the
+    gradient f'(s_m) s_m / N: exactly that of the literal mean of Eq. 8 (Eq. 13).
+
+    >>> old = torch.tensor([[-1.0, -1.0, -2.0, 0.0]])
+    >>> logp = torch.tensor([[-0.8, -1.0, -2.3, 0.0]])  # logp - old = 0.2, 0.0 | -0.3
+    >>> seg_id = torch.tensor([[0, 0, 1, -1]])
+    >>> x = segment_log_ratio(logp, old, seg_id, torch.tensor([[True, True]]), seg_id >= 0)
+    >>> [round(v, 4) for v in x[0].tolist()]
+    [0.1, 0.1, -0.3, 0.0]
+    """
+    valid = mask.bool()
+    x = torch.where(valid, logp - old_logp, 0.0)
+    if clamp is not None:
+        x = x.clamp(-clamp, clamp)
+    log_s = _seg_mean(x.detach(), seg_id, mask, seg_mask.shape[1])
+    return torch.where(valid, to_tokens(log_s, seg_id, mask) + x - x.detach(), 0.0)
+
+
+def sapo_policy_loss(logp, old_logp, advantages, seg_id, seg_mask, mask, num_tokens,
+                     clip_low=0.2, clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0):
+    """SAPO's clipped surrogate (Eq. 9) with the segment ratio, token-mean.
+
+    logp        [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
+    old_logp    [B, T]  the same under the policy that sampled the batch (no grad)
+    advantages  [B, T]  A_m(t) on each token (to_tokens of the whitened segment advantages)
+    seg_id, seg_mask, mask   from segment_index
+    num_tokens          valid tokens in the whole mini-batch, counted before the micro-batch
+                        loop, so micro-batch losses (and gradients) sum to the unsplit ones
+    dual_clip           official code: for A < 0 the loss is capped at -A * dual_clip (> 1),
+                        so a segment whose ratio has run far up stops being pushed; None = off
+    log_ratio_clamp     official code: token log-ratios clamped to +-20; None = off
+    Returns the scalar loss. On the first update of a batch old_logp == logp, every s_m is 1
+    and the loss value is -mean(A) (~0 after whitening), yet its gradient is the policy
+    gradient -A_m(t) * grad logp_t / num_tokens.
+
+    >>> old = torch.tensor([[-1.0, -1.0, -2.0]])
+    >>> logp = torch.tensor([[-0.8, -1.0, -2.3]], requires_grad=True)  # s = e^0.1 | e^-0.3
+    >>> seg_id = torch.tensor([[0, 0, 1]])
+    >>> A = torch.tensor([[1.0, 1.0, -1.0]])
+    >>> loss = sapo_policy_loss(logp, old, A, seg_id, torch.tensor([[True, True]]),
+    ...                         seg_id >= 0, num_tokens=3)
+    >>> round(loss.item(), 4)  # (-e^0.1 - e^0.1 + max(e^-0.3, 0.8)) / 3: segment 2 clipped
+    -0.4701
+    """
+    valid = mask.bool()
+    s = torch.exp(segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, log_ratio_clamp))
+    A = torch.where(valid, advantages, 0.0)
+    pg = torch.max(-A * s, -A * torch.clamp(s, 1 - clip_low, 1 + clip_high))
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, not {dual_clip}")
+        pg = torch.where(A < 0, torch.min(pg, -A * dual_clip), pg)
+    return torch.where(valid, pg, 0.0).sum() / num_tokens
+
+
+def sapo_value_loss(values, old_values, returns, seg_mask, num_segments, clip=0.5):
+    """Critic loss at segment states only (Eq. 10, in the official code's clipped form):
+    0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -clip, clip),
+    summed over valid segments / num_segments (segments in the whole mini-batch, so
+    micro-batches sum to the unsplit value). clip=None gives 0.5 * (V - R)^2.
+
+    values      [B, S]  V(s_m) from the critic being trained (segment_state_values, grad)
+    old_values  [B, S]  the same when the batch was sampled (no grad)
+    returns     [B, S]  R_m from segment_gae
+
+    >>> v, v_old = torch.tensor([[1.0, 0.2]]), torch.tensor([[0.0, 0.0]])
+    >>> R = torch.tensor([[2.0, 1.0]])
+    >>> loss = sapo_value_loss(v, v_old, R, torch.tensor([[True, True]]), num_segments=2)
+    >>> round(loss.item(), 4)  # (0.5 * max(1, 2.25) + 0.5 * max(0.64, 0.64)) / 2
+    0.7225
+    """
+    ok = seg_mask.bool()
+    v, v_old, R = (torch.where(ok, x, 0.0) for x in (values, old_values, returns))
+    l_v = (v - R) ** 2
+    if clip is not None:
+        v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
+        l_v = torch.max(l_v, (v_clip - R) ** 2)
+    return torch.where(ok, 0.5 * l_v, 0.0).sum() / num_segments
+
+
+@torch.no_grad()
+def explained_variance(values, returns, seg_mask) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over the valid segments ([B, S] each): 1 for a perfect
+    critic, 0 for one that predicts the mean, negative for worse; NaN if Var(R) == 0.
+
+    >>> ev = explained_variance(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([[0.0, 1.0, 2.0]]),
+    ...                         torch.tensor([[True, True, True]]))
+    >>> round(ev.item(), 4)  # R - V = (0, 0, 1): Var 2/9; Var(R) = 2/3
+    0.6667
+    """
+    ok = seg_mask.bool()
+    v, R = values[ok].double(), returns[ok].double()
+    var_r = R.var(unbiased=False) if R.numel() else R.new_tensor(0.0)
+    if var_r <= 0:
+        return torch.tensor(float("nan"))
+    return (1 - (R - v).var(unbiased=False) / var_r).float()
+
+
+# =====================================================================================
+# Evaluation, samples, metrics
+# =====================================================================================
+@torch.no_grad()
+def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
+    """Held-out accuracy, greedy and sampled at the training temperature."""
+    out = {}
+    for name, sample in (("greedy", False), ("sampled", True)):
+        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
+                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
+                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
+                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        correct, n = 0, args.gen_batch_size or 128
+        model.eval()
+        for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
+            chunk = problems[i:i + n]
+            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            with autocast(args):
+                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
+            texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
+            correct += sum(common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
+                           for t, p in zip(texts, chunk))
+        out[f"eval/{name}_acc"] = correct / len(problems)
+    return out
+
+
+def show_samples(step, batch, rewards, k=2):
+    tqdm.write(f"--- samples at step {step} ---")
+    for p, t, r in list(zip(batch["prompts"], batch["texts"], rewards.tolist()))[:k]:
+        tqdm.write(f"[reward {r:+.2f}] {p[-80:]!r} -> {t[:300]!r}")
+
+
+def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
+    m = batch["mask"].bool()
+    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
+            "unparsable_frac": 1 - parsed.mean().item(),
+            "zero_std_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if len(rewards) else 1.0,
+            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+            "completion_len": m.sum(1).float().mean().item(),
+            "truncated_frac": batch["truncated"].float().mean().item()}
+
+
+@torch.no_grad()
+def rollout_stats(raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=None, ref_logp=None) -> dict:
+    """SAPO, per rollout batch: segments per completion, mean segment length (tokens), the token
+    advantages' mean and std (Bessel) before whitening, the critic's explained variance of the
+    returns by the values it gave this batch before training on it (out of sample), the mean
+    old value and return per segment, and kl, the mean k1 term old_logp - ref_logp of the
+    reward per token (when there is a reference).
+
+    >>> st = rollout_stats(torch.tensor([[1.0, 1.0, 4.0, 0.0]]), torch.tensor([[0.0, 1.0]]),
+    ...                    torch.tensor([[0.0, 2.0]]), torch.tensor([[True, True]]),
+    ...                    torch.tensor([[1, 1, 1, 0]]))
+    >>> for k, v in st.items():
+    ...     print(k, round(v, 4))
+    segments_per_completion 2.0
+    segment_len 1.5
+    adv_mean 2.0
+    adv_std 1.7321
+    explained_var 0.75
+    value_mean 0.5
+    return_mean 1.0
+    """
+    valid, ok = mask.bool(), seg_mask.bool()
+    n_tok, n_seg = valid.sum(), ok.sum()
+    x = torch.where(valid, raw_adv_tokens, 0.0)
+    mean = x.sum() / n_tok.clamp(min=1)
+    var = torch.where(valid, (x - mean) ** 2, 0.0).sum() / (n_tok - 1).clamp(min=1)
+    stats = {"segments_per_completion": n_seg / max(valid.shape[0], 1),
+             "segment_len": n_tok / n_seg.clamp(min=1), "adv_mean": mean, "adv_std": var.sqrt(),
+             "explained_var": explained_variance(old_values, returns, seg_mask),
+             "value_mean": torch.where(ok, old_values, 0.0).sum() / n_seg.clamp(min=1),
+             "return_mean": torch.where(ok, returns, 0.0).sum() / n_seg.clamp(min=1)}
+    if ref_logp is not None:
+        stats["kl"] = torch.where(valid, old_logp - ref_logp, 0.0).sum() / n_tok.clamp(min=1)
+    return {k: float(v) for k, v in stats.items()}
+
+
+@torch.no_grad()
+def sapo_stats(logp, old_logp, advantages, seg_id, seg_mask, mask, clip_low=0.2,
+               clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0) -> dict:
+    """Per micro-batch, token-weighted over valid tokens: clip_frac (the clipped branch of
+    Eq. 9 is active), dual_clip_frac (A < 0 and s > dual_clip), approx_kl (k1 estimate of
+    KL(old || new), mean of old_logp - logp), and the min / max segment ratio.
+
+    >>> old = torch.tensor([[-1.0, -1.0, -2.0]])
+    >>> logp = torch.tensor([[-0.8, -1.0, -2.3]])
+    >>> seg_id = torch.tensor([[0, 0, 1]])
+    >>> st = sapo_stats(logp, old, torch.tensor([[1.0, 1.0, -1.0]]), seg_id,
+    ...                 torch.tensor([[True, True]]), seg_id >= 0)
+    >>> for k, v in st.items():
+    ...     print(k, round(v, 4))
+    clip_frac 0.3333
+    dual_clip_frac 0.0
+    approx_kl 0.0333
+    seg_ratio_min 0.7408
+    seg_ratio_max 1.1052
+    """
+    valid = mask.bool()
+    n = valid.sum().clamp(min=1)
+    log_s = segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, log_ratio_clamp)
+    s, A = torch.exp(log_s), torch.where(valid, advantages, 0.0)
+    clipped = ((s > 1 + clip_high) & (A > 0)) | ((s < 1 - clip_low) & (A < 0))
+    dual = (A < 0) & (s > dual_clip) if dual_clip is not None else torch.zeros_like(valid)
+    seg_s = torch.exp(_seg_mean(log_s, seg_id, mask, seg_mask.shape[1])[seg_mask.bool()])
+    one = s.new_ones(())
+    stats = {"clip_frac": (clipped & valid).sum() / n, "dual_clip_frac": (dual & valid).sum() / n,
+             "approx_kl": torch.where(valid, old_logp - logp, 0.0).sum() / n,
+             "seg_ratio_min": seg_s.min() if seg_s.numel() else one,
+             "seg_ratio_max": seg_s.max() if seg_s.numel() else one}
+    return {k: float(v) for k, v in stats.items()}
+
+
+@torch.no_grad()
+def value_stats(values, old_values, returns, seg_mask, clip=0.5) -> dict:
+    """Per micro-batch, over valid segments: value_clip_frac, the share of segments whose
+    clipped term is the larger one in the value loss (the critic wanted to move further).
+
+    >>> value_stats(torch.tensor([[1.0, 0.2]]), torch.tensor([[0.0, 0.0]]),
+    ...             torch.tensor([[2.0, 1.0]]), torch.tensor([[True, True]]))
+    {'value_clip_frac': 0.5}
+    """
+    ok = seg_mask.bool()
+    v, v_old, R = (torch.where(ok, x, 0.0) for x in (values, old_values, returns))
+    if clip is not None:
+        clipped = (v_old + torch.clamp(v - v_old, -clip, clip) - R) ** 2 > (v - R) ** 2
+    else:
+        clipped = torch.zeros_like(ok)
+    return {"value_clip_frac": float((clipped & ok).sum() / ok.sum().clamp(min=1))}
+
+
+# =====================================================================================
+# Training loop
+# =====================================================================================
+def train(args: Args) -> dict:
+    run = common.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
+    args, device = run.args, run.device
+    tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
+    train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before any model loads
+    policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
+    ref = load_model(args.model, device, args, trainable=False) if args.kl_coef > 0 else None  # SAPO: for r_m
+    critic = load_critic(run.weights("critic", args.critic_model), device, args, tokenizer)  # SAPO: V
+    eos_ids = eos_token_ids(policy, tokenizer)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer, scheduler = common.make_optimizer(params, args)
+    critic_params = [p for p in critic.parameters() if p.requires_grad]  # SAPO: its own AdamW, at --critic-lr
+    critic_args = dataclasses.replace(args, lr=args.critic_lr)  # SAPO
+    critic_optimizer, critic_scheduler = common.make_optimizer(critic_params, critic_args)
+    sampler = common.PromptSampler(len(train_rows), args.seed)
+    start = run.attach({"": policy, "critic": critic}, tokenizer,  # SAPO: + the critic (in critic/) and its AdamW
+                       dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                            critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler))
+    if start == 0 and eval_rows:
+        run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
+
+    P, G = args.prompts_per_step, args.group_size
+    for step in run.steps(start):
+        t0 = time.time()
+        # 1. Rollouts: P prompts, G completions each (SAPO: G = 1); row b belongs to prompt b // G
+        rows = [train_rows[i] for i in sampler.take(P)]
+        batch = generate_rollouts(policy, tokenizer, [r["prompt"] for r in rows], G, args, eos_ids, device)
+        t_gen = time.time() - t0
+
+        # 2. Reward r_i (SAPO: the outcome, given to the completion's last segment in step 4)
+        answers = [r["answer"] for r in rows for _ in range(G)]
+        rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
+
+        # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad
+        old_logp, old_entropy, _ = batch_logps(policy, batch, args)  # [B, T] each
+        ref_logp = batch_logps(ref, batch, args)[0] if ref is not None else None  # [B, T]
+
+        # 4. SAPO: segments, old values V(s_m), segment rewards, GAE over segments -> A_m, R_m,
+        #    A_m on every token of segment m, whitened over the rollout batch and clamped
+        seg = segment_batch(critic, batch, old_logp, old_entropy, ref_logp, rewards.to(device), args)
+        seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]  # SAPO
+
+        # 5. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
+        #    each for the policy and (SAPO) the critic; gradients accumulate over micro-batches
+        policy.train()
+        critic.train()  # SAPO
+        stats = []
+        for _ in range(args.ppo_epochs):
+            for mini in torch.randperm(len(rewards), device=device).chunk(args.num_mini_batches):
+                optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)  # SAPO
+                num_tokens = batch["mask"][mini].sum().item()  # SAPO: token-mean over the mini-batch
+                num_segments = seg_mask[mini].sum().item()  # SAPO: value loss, mean over its segments
+                loss_sum, value_loss_sum = 0.0, 0.0
+                for mb in mini.split(args.micro_batch_size):
+                    m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]  # SAPO
+                    old_v, R = seg["old_values"][mb], seg["returns"][mb]  # SAPO: [b, S] each
+                    logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, with_entropy=False)  # [b, T]
+                    loss = sapo_policy_loss(logp, old_logp[mb], advantages[mb], sid, sm, m, num_tokens,
+                                            args.clip_low, args.clip_high)  # SAPO: Eq. 9
+                    loss.backward()  # gradients add up over micro-batches to those of the mini-batch
+                    values = segment_state_values(token_values(critic, batch, mb, args), sid, sm, m, args.value_at)
+                    value_loss = sapo_value_loss(values, old_v, R, sm, num_segments, args.value_clip)  # SAPO: Eq. 10
+                    value_loss.backward()  # SAPO
+                    loss_sum, value_loss_sum = loss_sum + loss.item(), value_loss_sum + value_loss.item()
+                    stats.append({**sapo_stats(logp, old_logp[mb], advantages[mb], sid, sm, m, args.clip_low,
+                                               args.clip_high), **value_stats(values, old_v, R, sm, args.value_clip)})
+                stats.append({"loss": loss_sum,
+                              **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
+                c = common.optimizer_step(critic_optimizer, critic_scheduler, critic_params, args.max_grad_norm,
+                                          value_loss_sum)  # SAPO: skipped_updates then counts both optimizers
+                stats.append({"value_loss": value_loss_sum, "value_grad_norm": c["grad_norm"],
+                              "skipped_updates": c["skipped_updates"]})
+        t_train = time.time() - t0 - t_gen
+
+        # 6. Metrics, samples, held-out evaluation, checkpoint. SAPO: rollout_metrics sees the batch as one
+        #    group, so zero_std_frac is 1 when every completion got the same reward (nothing to learn)
+        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),  # SAPO
+                   **rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"], seg_mask,
+                                   batch["mask"], old_logp, ref_logp),  # SAPO
+                   **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
+                   "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
+                   "time/generate": t_gen, "time/train": t_train,
+                   "tokens_per_s": batch["mask"].sum().item() / (time.time() - t0)}
+        if step % args.sample_every == 0 or step == start + 1:
+            show_samples(step, batch, rewards)
+            run.write_samples(step, tokenizer, batch, rewards, advantages, {  # SAPO: + segments, advantages, values
+                "entropy": old_entropy, "segment_end": seg["ends"].float(), "advantage": advantages,
+                "value": seg["token_values"]})
+        if eval_rows and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
+        run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
+    return run.finish()
+
+
+def main(argv=None):
+    args = common.parse_args(Args, argv)
+    with common.user_errors():
+        return train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,728 @@
+"""A side-by-side study of the training scripts on the bundled tiny task, to test TEPO's headline
+claim, "reducing convergence time by 50% compared with GRPO/DAPO" (its abstract). The abstract
+does not define convergence time; here it is the steps, and the wall-clock seconds, a run takes
+to first reach a fixed held-out accuracy (our reading).
+
+    python study.py                          # every default config x seeds 1,2,3, one run at a time
+    python study.py --jobs 2                 # two runs at once, each with half the CPU cores
+    python study.py --configs grpo,dapo,tepo --seeds 1,2,3,4,5 --steps 320
+    python study.py --no-run                 # only re-aggregate what is already in runs/study
+    python study.py --extra "--device cuda"  # flags given to every run alike
+
+The full default study is 27 runs of 160 steps: about 2 hours at --jobs 1 on a quiet 2-core CPU
+(an estimate from the single-run times in README.md plus the extra evaluations, not measured).
+
+Each (config, seed) is one ordinary run of a training script, in its own process:
+
+    python <script>.py --seed S --output-dir runs/study/runs --run-name <config>-s<S>
+        --eval-every 10 --eval-n 128 --save-every 100000 --sample-every 100000
+        --tensorboard false [the config's flags] [--extra flags] [--steps N]
+
+with the scripts' own defaults for everything else, so every algorithm gets the same model,
+data, batch size, learning rate and step count: nothing is tuned for one method against another.
+The study is resumable: run the same command again. A finished run (its folder has summary.json)
+is skipped; a stopped one continues with `<script>.py --resume <folder>` (Ctrl-C or SIGTERM on
+the study lets every running run finish its step and save first); a run killed so hard that it
+saved no checkpoint is moved aside to `<run>.incomplete-<k>` and started again. A run that fails
+is reported with the end of its log, the others go on, and the exit code is 1.
+
+Outputs, in runs/study/ (--out):
+    runs/<config>-s<seed>/   the runs themselves (metrics.jsonl, summary.json, checkpoints)
+    logs/<run>.log           everything each run printed
+    results.csv              one row per run and held-out evaluation: config, seed, step, seconds,
+                             greedy_acc, sampled_acc
+    steps.csv                one row per run and training step: config, seed, step, seconds,
+                             reward, accuracy, entropy, mask_frac, completion_len (empty cell =
+                             not logged by that script, e.g. mask_frac outside TEPO)
+    curves.png               held-out accuracy against step and against seconds, entropy and
+                             TEPO's mask_frac against step (mean over seeds, min-max band)
+    summary.md               final accuracy, steps and seconds to a threshold, ratios to GRPO and
+                             DAPO, and the verdict on the claim, with the rule that produced it
+
+"seconds" is wall-clock time since the run's step-0 row (logged right after the first held-out
+evaluation), so it counts every later evaluation, equally for all configs, and not the start-up.
+Where the study resumed a run, the stopped interval is not counted: that one step is charged the
+median duration of the run's other steps of its kind (with or without an evaluation). With
+--jobs > 1 runs share the CPU, so seconds compare fairly only between runs that ran side by side;
+steps are exact whatever the machine does.
+
+Default configs (erpo and sapo only where their scripts exist):
+    grpo, dapo                 the baselines
+    tepo                       TEPO as tepo.py runs it by default (predicted entropy test)
+    tepo-observed              --entropy-test observed: the mask tests the entropy's observed fall
+    erpo, sapo                 the other objectives of this project, for reference
+    tepo-token-ratio           ablation: per-token ratios instead of the sequence ratio
+    tepo-no-kl                 ablation: --kl-coef 0, no masked KL term at all
+    tepo-mask-ref              ablation: observed test against the reference model's entropy
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+import common
+from common import UserError, arg
+
+ROOT = Path(__file__).resolve().parent
+
+
+# =====================================================================================
+# Arguments
+# =====================================================================================
+@dataclass
+class Args:
+    configs: str | None = arg(None, "comma list of configs (default: every config whose script "
+                              "exists; they are listed at the top of study.py)")
+    seeds: str = arg("1,2,3", "comma list of seeds; every config runs every seed")
+    steps: int | None = arg(None, "training steps per run (default: the scripts' own, 160 on the "
+                            "tiny task); a finished run with fewer steps is continued to this many")
+    jobs: int = arg(1, "runs at once; each gets max(1, cores // jobs) torch threads")
+    out: str = arg("runs/study", "study folder: runs/, logs/, results.csv, curves.png, summary.md")
+    threshold_frac: float = arg(0.9, "threshold = this x GRPO's final mean held-out sampled "
+                                "accuracy")
+    no_run: bool = arg(False, "start no run: only aggregate the finished runs already in --out")
+    eval_every: int = arg(10, "held-out evaluation every N steps (and at the first and last)")
+    eval_n: int = arg(128, "held-out problems per evaluation")
+    extra: str = arg("", "more flags given to every run alike, e.g. --extra \"--device cuda\" "
+                     "(one flag alone: --extra=--bf16)")
+
+
+# name -> (script, the flags that make this config); every other flag is the scripts' default
+CONFIGS = {
+    "grpo": ("grpo", []),
+    "dapo": ("dapo", []),
+    "tepo": ("tepo", []),
+    "tepo-observed": ("tepo", ["--entropy-test", "observed"]),
+    "erpo": ("erpo", []),
+    "sapo": ("sapo", []),
+    "tepo-token-ratio": ("tepo", ["--ratio-level", "token"]),
+    "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
+    "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
+}
+DEFAULT_CONFIGS = list(CONFIGS)
+BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
+CLAIMED = "tepo"  # the config the verdict is about: TEPO as tepo.py runs by default
+CLAIM_RATIO = 0.6  # "about half the time": at most 0.6x the baseline's steps (or seconds)
+FIXED_FLAGS = ["--save-every", "100000", "--sample-every", "100000", "--tensorboard", "false"]
+
+
+def script_available(script: str) -> bool:
+    """Does <script>.py exist and define train()? (Read, not imported: importing loads torch.)"""
+    path = ROOT / f"{script}.py"
+    return path.is_file() and re.search(r"^def train\(", path.read_text(), re.M) is not None
+
+
+def resolve_configs(names: str | None) -> list[str]:
+    if names is None:
+        return [c for c in DEFAULT_CONFIGS if script_available(CONFIGS[c][0])]
+    out = [c.strip() for c in names.split(",") if c.strip()]
+    for c in out:
+        if c not in CONFIGS:
+            raise UserError(f"unknown config {c!r}; choose from {', '.join(CONFIGS)}")
+        if not script_available(CONFIGS[c][0]):
+            raise UserError(f"config {c!r} needs {CONFIGS[c][0]}.py with a train() function")
+    if not out or len(set(out)) < len(out):
+        raise UserError(f"--configs must list distinct configs, not {names!r}")
+    return out
+
+
+def resolve_seeds(seeds: str) -> list[int]:
+    try:
+        out = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--seeds must be a comma list of integers, not {seeds!r}") from None
+    if not out or len(set(out)) < len(out):
+        raise UserError(f"--seeds must list distinct seeds, not {seeds!r}")
+    return out
+
+
+def check_args(args: Args) -> None:
+    common.check_args(args, {
+        f"--jobs must be at least 1, not {args.jobs}": args.jobs >= 1,
+        f"--threshold-frac must be in (0, 1], not {args.threshold_frac}":
+            0 < args.threshold_frac <= 1,
+    })  # --steps, --eval-every, --eval-n >= 1: checked by name in common.check_args
+
+
+def run_name(config: str, seed: int) -> str:
+    return f"{config}-s{seed}"
+
+
+# =====================================================================================
+# Planning: what each run needs (skip, start, resume, restart)
+# =====================================================================================
+def plan_run(run_dir: Path, steps: int | None) -> str:
+    """'skip': finished (summary.json), with at least `steps` steps when given;
+    'resume': stopped with a checkpoint, or finished with fewer steps than asked;
+    'restart': started but left no checkpoint (killed hard): moved aside, then started anew;
+    'fresh': nothing there yet (or only the args.json of a start that failed)."""
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        done = json.loads(summary.read_text()).get("steps", 0)
+        return "resume" if steps is not None and done < steps else "skip"
+    if (run_dir / "latest").is_file() or any(run_dir.glob("checkpoint-*/trainer_state.pt")):
+        return "resume"
+    return "restart" if run_dir.is_dir() and common.started(run_dir) else "fresh"
+
+
+def move_aside(run_dir: Path) -> Path:
+    k = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.incomplete-{k}")).exists():
+        k += 1
+    run_dir.rename(aside)
+    return aside
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    return int(common.find_checkpoint(run_dir).name.split("-")[-1])
+
+
+def read_resumes(path: Path) -> set[int]:
+    """Steps after which the study resumed a run (one per line)."""
+    return {int(s) for s in path.read_text().split()} if path.is_file() else set()
+
+
+@dataclass
+class Job:
+    name: str
+    cmd: list[str]
+    log: Path
+    append: bool = False  # a resume adds to the run's log instead of replacing it
+    proc: subprocess.Popen | None = None
+
+
+def make_jobs(args: Args, configs: list[str], seeds: list[int], out: Path) -> list[Job]:
+    """The runs still to do, seed by seed so that with --jobs > 1 the configs share the machine
+    alike. Moves aside what cannot be resumed, and notes each resume's step for the timing."""
+    jobs = []
+    for seed in seeds:
+        for config in configs:
+            name = run_name(config, seed)
+            run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
+            resumes = out / "logs" / f"{name}.resumes"
+            script = str(ROOT / f"{CONFIGS[config][0]}.py")
+            steps = ["--steps", str(args.steps)] if args.steps is not None else []
+            action = plan_run(run_dir, args.steps)
+            if action == "skip":
+                continue
+            if action == "resume":
+                with open(resumes, "a") as f:
+                    f.write(f"{checkpoint_step(run_dir)}\n")
+                jobs.append(Job(name, [sys.executable, script, "--resume", str(run_dir), *steps],
+                                log, append=True))
+                continue
+            if action == "restart":
+                tqdm.write(f"{name}: stopped without a checkpoint; moved to "
+                           f"{move_aside(run_dir).name}, starting again")
+            resumes.unlink(missing_ok=True)
+            jobs.append(Job(name, [sys.executable, script, "--seed", str(seed),
+                                   "--output-dir", str(out / "runs"), "--run-name", name,
+                                   "--eval-every", str(args.eval_every),
+                                   "--eval-n", str(args.eval_n), *FIXED_FLAGS,
+                                   *CONFIGS[config][1], *shlex.split(args.extra), *steps], log))
+    return jobs
+
+
+def check_same_settings(out: Path, args: Args, configs: list[str]) -> None:
+    """A study folder holds runs made with one set of flags: mixing would compare unlike runs."""
+    path = out / "study.json"
+    now = {"eval_every": args.eval_every, "eval_n": args.eval_n, "extra": shlex.split(args.extra),
+           "configs": {c: CONFIGS[c][1] for c in configs}}
+    if path.is_file():
+        before = json.loads(path.read_text())
+        for key in ("eval_every", "eval_n", "extra"):
+            if before[key] != now[key]:
+                raise UserError(f"{out} was run with --{key.replace('_', '-')} {before[key]!r}, "
+                                f"not {now[key]!r}: use the same, or another --out")
+        for c, flags in now["configs"].items():
+            if before["configs"].get(c, flags) != flags:
+                raise UserError(f"config {c!r} in {out} was run with {before['configs'][c]}: "
+                                f"use another --out")
+        now["configs"] = {**before["configs"], **now["configs"]}
+    path.write_text(json.dumps(now, indent=2))
+
+
+# =====================================================================================
+# Running: --jobs processes at a time, each logging to its own file
+# =====================================================================================
+def log_tail(path: Path, n: int = 15) -> str:
+    """The last n lines of a log, progress-bar redraws (\\r) split into lines."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    lines = [ln for ln in text.replace("\r", "\n").splitlines() if ln.strip()]
+    return "\n".join("    " + ln for ln in lines[-n:])
+
+
+def child_env(jobs: int) -> dict:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, (cores or 1) // jobs))  # runs side by side must not oversubscribe cores
+    return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _stop(signum, frame):  # SIGTERM on the study: stop like Ctrl-C
+    raise KeyboardInterrupt
+
+
+def run_jobs(jobs: list[Job], n_parallel: int, poll_s: float = 0.5) -> list[str]:
+    """Run every job, n_parallel at a time; returns the names of those that failed. On Ctrl-C
+    or SIGTERM each running script gets SIGTERM (finish the step, save a checkpoint), the study
+    waits for them and exits 130: the same command then resumes them."""
+    env, failed, waiting, running = child_env(n_parallel), [], list(jobs), []
+    bar = tqdm(total=len(jobs), desc="study", unit="run", dynamic_ncols=True)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        while waiting or running:
+            while waiting and len(running) < n_parallel:
+                job = waiting.pop(0)
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                with open(job.log, "a" if job.append else "w") as f:
+                    f.write(f"$ {shlex.join(job.cmd)}\n")
+                    f.flush()
+                    job.proc = subprocess.Popen(job.cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+                running.append(job)
+                bar.set_postfix_str(f"running {', '.join(j.name for j in running)}")
+            time.sleep(poll_s)
+            for job in [j for j in running if j.proc.poll() is not None]:
+                running.remove(job)
+                bar.update(1)
+                if job.proc.returncode != 0:
+                    failed.append(job.name)
+                    tqdm.write(f"FAILED {job.name} (exit {job.proc.returncode}); the end of "
+                               f"{job.log}:\n{log_tail(job.log)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        tqdm.write(f"stopping: {len(running)} running run(s) finish their step and save a "
+                   f"checkpoint; run the same command again to continue")
+        for job in running:
+            job.proc.send_signal(signal.SIGTERM)  # after a terminal's SIGINT, still only a stop
+        for job in running:
+            job.proc.wait()
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+    return failed
+
+
+# =====================================================================================
+# Reading runs: metrics rows with seconds
+# =====================================================================================
+def is_eval(row: dict) -> bool:
+    return row.get("eval/sampled_acc") is not None
+
+
+def elapsed_seconds(rows: list[dict], resumed_after: set[int] = frozenset()) -> list[float]:
+    """Seconds since the first row (step 0, right after the first evaluation) for each row:
+    the sum of the gaps between consecutive rows. The gap into the first step after a resume
+    would count the time the run was stopped; it is replaced by the median gap of the run's
+    other rows of the same kind (evaluating or not).
+
+    >>> rows = [{"step": 0, "time": 100.0}, {"step": 1, "time": 102.0},
+    ...         {"step": 2, "time": 900.0}, {"step": 3, "time": 904.0}]
+    >>> elapsed_seconds(rows, resumed_after={1})  # step 2 charged the median of 2 and 4
+    [0.0, 2.0, 5.0, 9.0]
+    """
+    gaps = [0.0] + [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
+    resumed = [i > 0 and rows[i]["step"] - 1 in resumed_after for i in range(len(rows))]
+    for i in (i for i, r in enumerate(resumed) if r):
+        same = [gaps[j] for j in range(1, len(rows))
+                if not resumed[j] and is_eval(rows[j]) == is_eval(rows[i])]
+        other = [gaps[j] for j in range(1, len(rows)) if not resumed[j]]
+        gaps[i] = statistics.median(same or other or [0.0])
+    out, total = [], 0.0
+    for g in gaps:
+        total += g
+        out.append(total)
+    return out
+
+
+def load_runs(out: Path, configs: list[str], seeds: list[int]):
+    """{(config, seed): rows with "seconds"} for finished runs, and the names of unfinished ones."""
+    runs, unfinished = {}, []
+    for config in configs:
+        for seed in seeds:
+            name = run_name(config, seed)
+            run_dir = out / "runs" / name
+            if not (run_dir / "summary.json").is_file():
+                if run_dir.is_dir():
+                    unfinished.append(name)
+                continue
+            rows = common.read_metrics(run_dir)
+            secs = elapsed_seconds(rows, read_resumes(out / "logs" / f"{name}.resumes"))
+            runs[config, seed] = [{**r, "seconds": s} for r, s in zip(rows, secs)]
+    return runs, unfinished
+
+
+# =====================================================================================
+# Aggregation: final accuracy, time to threshold
+# =====================================================================================
+def final_eval(rows: list[dict]) -> dict:
+    """The last held-out evaluation of a run (the one at its last step)."""
+    evals = [r for r in rows if is_eval(r)]
+    if not evals:
+        raise UserError("a run has no held-out evaluation: was it run with --eval-dataset none?")
+    return evals[-1]
+
+
+def first_reach(rows: list[dict], threshold: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first evaluation whose sampled accuracy is >= threshold, or None.
+
+    >>> rows = [{"step": 0, "seconds": 0.0, "eval/sampled_acc": 0.2},
+    ...         {"step": 10, "seconds": 31.5, "eval/sampled_acc": 0.5},
+    ...         {"step": 20, "seconds": 60.0, "eval/sampled_acc": 0.4}]
+    >>> first_reach(rows, 0.45), first_reach(rows, 0.6)
+    ((10, 31.5), None)
+    """
+    for r in rows:
+        if is_eval(r) and r["eval/sampled_acc"] >= threshold:
+            return r["step"], r["seconds"]
+    return None
+
+
+def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (divide by n - 1); None where undefined.
+
+    >>> [round(v, 6) for v in mean_std([0.4, 0.5, 0.6])]
+    [0.5, 0.1]
+    >>> mean_std([30]), mean_std([])
+    ((30.0, None), (None, None))
+    """
+    if not xs:
+        return None, None
+    return sum(xs) / len(xs), statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def threshold_of(runs: dict, threshold_frac: float) -> float | None:
+    """threshold_frac x GRPO's final held-out sampled accuracy, averaged over its seeds."""
+    finals = [final_eval(rows)["eval/sampled_acc"] for (c, _), rows in runs.items() if c == "grpo"]
+    return threshold_frac * mean_std(finals)[0] if finals else None
+
+
+def aggregate(runs: dict, configs: list[str], threshold: float | None) -> dict:
+    """Per config: seeds, held-out sampled accuracy before training ("start") and at the end,
+    final greedy accuracy, and per-seed steps / seconds to the threshold (None: never reached,
+    or no threshold)."""
+    stats = {}
+    for config in configs:
+        seeds = sorted(s for c, s in runs if c == config)
+        if not seeds:
+            continue
+        finals = [final_eval(runs[config, s]) for s in seeds]
+        reach = [first_reach(runs[config, s], threshold) if threshold is not None else None
+                 for s in seeds]
+        stats[config] = {
+            "seeds": seeds,
+            "start": [next(r for r in runs[config, s] if is_eval(r))["eval/sampled_acc"]
+                      for s in seeds],
+            "steps": max(runs[config, s][-1]["step"] for s in seeds),
+            "sampled": [f["eval/sampled_acc"] for f in finals],
+            "greedy": [f["eval/greedy_acc"] for f in finals],
+            "reach_steps": [r[0] if r else None for r in reach],
+            "reach_seconds": [r[1] if r else None for r in reach],
+        }
+    return stats
+
+
+def reached_mean(values: list) -> float | None:
+    return mean_std([v for v in values if v is not None])[0]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# =====================================================================================
+# The verdict: does TEPO reach the threshold in about half of GRPO's / DAPO's time?
+# =====================================================================================
+VERDICT_RULE = f"""\
+For one baseline (GRPO or DAPO) and one measure (steps, or seconds) to the threshold, per seed,
+where a run that never reaches the threshold counts as slower than any run that does:
+- **confirmed**: every TEPO run reaches the threshold, TEPO's mean is at most {CLAIM_RATIO} x the
+  baseline's mean (means over the runs that reached it), and every TEPO run is faster than every
+  baseline run (the spreads over seeds do not overlap);
+- **refuted**: no TEPO run reaches the threshold, or TEPO's mean is no lower than the baseline's
+  (TEPO is not faster at all), or even TEPO's fastest run takes more than {CLAIM_RATIO} x the
+  baseline's slowest run that reached it (no pairing of seeds shows the cut);
+- **inconclusive**: anything else (the spreads overlap, or TEPO is faster on average but not by
+  {CLAIM_RATIO} x, or some TEPO run never reaches the threshold), or the baseline never reaches it.
+The claim is about both baselines: it is confirmed when it is confirmed against each baseline
+present, refuted when it is refuted against either, and inconclusive otherwise. There is no
+verdict without finished `grpo` and `tepo` runs, or when the threshold is not above the mean
+accuracy before training (every run would meet it at step 0). The rule is ours (the paper gives
+none); {CLAIM_RATIO} x rather than 0.5 x leaves room for the eval-step granularity of the times."""
+
+
+def compare(tepo: list, base: list, claim_ratio: float = CLAIM_RATIO) -> str:
+    """The rule above for one baseline and one measure. Each list holds one value per seed
+    (steps or seconds to the threshold), None for a run that never reached it.
+
+    >>> compare([40, 50, 40], [100, 90, 110])  # 0.43x, no overlap
+    'confirmed'
+    >>> compare([40, 100, 40], [100, 90, 110])  # 0.6x on average, but one seed overlaps
+    'inconclusive'
+    >>> compare([120, 100, None], [100, 90, 110]), compare([None, None], [10, 20])
+    ('refuted', 'refuted')
+    >>> compare([70, 80, 75], [100, 90, 110])  # faster, but even 70 / 110 > 0.6
+    'refuted'
+    """
+    t = [v for v in tepo if v is not None]
+    b = [v for v in base if v is not None]
+    if not b:
+        return "inconclusive"
+    if not t or mean_std(t)[0] >= mean_std(b)[0] or min(t) > claim_ratio * max(b):
+        return "refuted"
+    if (len(t) == len(tepo) and mean_std(t)[0] <= claim_ratio * mean_std(b)[0]
+            and max(t) < min(b)):
+        return "confirmed"
+    return "inconclusive"
+
+
+def combine(verdicts: list[str]) -> str:
+    """The claim names both baselines: confirmed only against each, refuted against either."""
+    if "refuted" in verdicts:
+        return "refuted"
+    return "confirmed" if verdicts and all(v == "confirmed" for v in verdicts) else "inconclusive"
+
+
+def verdict(stats: dict, threshold: float | None) -> tuple[str | None, str]:
+    """(the verdict in steps, or None when there is nothing to judge; a paragraph)."""
+    bases = [b for b in BASELINES if b in stats]
+    if threshold is None or CLAIMED not in stats or not bases:
+        return None, ("No verdict: it needs finished runs of `grpo` (for the threshold), of "
+                      "`tepo`, and of `grpo` or `dapo`.")
+    t = stats[CLAIMED]
+    start = mean_std([a for c in (CLAIMED, *bases) for a in stats[c]["start"]])[0]
+    if threshold <= start + 1e-9:  # (float sums: 0.2 six times averages to 0.19999...)
+        return None, (f"No verdict: the threshold {threshold:.3f} is not above the accuracy "
+                      f"before training ({start:.3f}), so reaching it says nothing about speed. "
+                      f"Train longer (--steps) or raise --threshold-frac.")
+    parts, by_measure = [], {}
+    for measure, unit in (("reach_steps", "steps"), ("reach_seconds", "seconds")):
+        each = {b: compare(t[measure], stats[b][measure]) for b in bases}
+        by_measure[unit] = combine(list(each.values()))
+        details = []
+        for b in bases:
+            r = ratio(reached_mean(t[measure]), reached_mean(stats[b][measure]))
+            details.append(f"against {b.upper()} {each[b]} (TEPO {_fmt_reach(t[measure])} vs "
+                           f"{_fmt_reach(stats[b][measure])}, ratio {_fmt_ratio(r)})")
+        details = "; ".join(details)
+        parts.append(f"In {unit}: **{by_measure[unit]}**: {details}.")
+    head = (f"Claim (TEPO's abstract): \"reducing convergence time by 50% compared with "
+            f"GRPO/DAPO\", read here as steps (and seconds) to {threshold:.3f} held-out sampled "
+            f"accuracy, over {len(t['seeds'])} TEPO seed(s). ")
+    tail = (" Steps are the measure the machine cannot disturb; seconds also count each "
+            "script's cost per step (DAPO regenerates dropped groups, TEPO computes a mask) and "
+            "are fair only between runs that shared the machine alike. This is a 0.8M-parameter "
+            "model on a toy arithmetic task, not the paper's setting: the verdict says whether "
+            "the effect shows at this scale, not whether the paper's numbers hold.")
+    if missing := [b for b in BASELINES if b not in stats]:
+        tail += f" Not compared (no finished runs): {', '.join(missing)}."
+    return by_measure["steps"], head + " ".join(parts) + tail
+
+
+# =====================================================================================
+# Outputs: CSVs, summary.md, curves.png
+# =====================================================================================
+STEP_COLUMNS = ("reward", "accuracy", "entropy", "mask_frac", "completion_len")
+
+
+def _cell(v) -> str:
+    return "" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def write_csvs(out: Path, runs: dict) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "step", "seconds", "greedy_acc", "sampled_acc"])
+        for (config, seed), rows in runs.items():
+            for r in rows:
+                if is_eval(r):
+                    w.writerow([config, seed, r["step"], _cell(r["seconds"]),
+                                _cell(r["eval/greedy_acc"]), _cell(r["eval/sampled_acc"])])
+    with open(out / "steps.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "step", "seconds", *STEP_COLUMNS])
+        for (config, seed), rows in runs.items():
+            for r in rows:
+                if r["step"] > 0:  # step 0 is the first evaluation only
+                    w.writerow([config, seed, r["step"], _cell(r["seconds"]),
+                                *(_cell(r.get(k)) for k in STEP_COLUMNS)])
+
+
+def _fmt_ms(xs: list[float], digits: int = 3) -> str:
+    mean, std = mean_std(xs)
+    if mean is None:
+        return "-"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def _fmt_reach(values: list, digits: int = 0) -> str:
+    got = [v for v in values if v is not None]
+    return f"{_fmt_ms(got, digits)} ({len(got)}/{len(values)} reached)"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
+                  unfinished: list[str], configs: list[str]) -> str:
+    lines = ["# Study: GRPO, DAPO, TEPO and its variants on the bundled tiny task", "",
+             f"Seeds {args.seeds}; held-out evaluation every {args.eval_every} steps on "
+             f"{args.eval_n} problems; every other setting is each script's default"
+             + (f", plus `{args.extra}` for every run" if args.extra else "") + ".",
+             "Accuracies are at each run's last step, mean ± sample std (n - 1) over seeds.", ""]
+    if stats:
+        lines += ["Held-out sampled accuracy before training (step 0, the same model for every "
+                  f"config): {_fmt_ms([a for s in stats.values() for a in s['start']])}.", ""]
+    if threshold is not None:
+        lines += [f"**Threshold**: {threshold:.3f} held-out sampled accuracy = --threshold-frac "
+                  f"{args.threshold_frac} x GRPO's final mean sampled accuracy. Steps and seconds "
+                  f"to the threshold are those of the first evaluation at or above it; their mean "
+                  f"is over the runs that reached it (count shown); ratios divide those means by "
+                  f"GRPO's and DAPO's.", ""]
+    else:
+        lines += ["**No threshold**: there are no finished `grpo` runs.", ""]
+    lines += ["| config | runs | steps | final sampled acc | final greedy acc | steps to threshold "
+              "| seconds to threshold | steps vs GRPO | steps vs DAPO | seconds vs GRPO "
+              "| seconds vs DAPO |", "|" + "---|" * 11]
+    for c, s in stats.items():
+        rs = [_fmt_ratio(ratio(reached_mean(s[m]), reached_mean(stats[b][m])) if b in stats
+                         else None)
+              for m in ("reach_steps", "reach_seconds") for b in BASELINES]
+        lines.append(f"| {c} | {len(s['seeds'])} | {s['steps']} | {_fmt_ms(s['sampled'])} | "
+                     f"{_fmt_ms(s['greedy'])} | {_fmt_reach(s['reach_steps'])} | "
+                     f"{_fmt_reach(s['reach_seconds'])} | " + " | ".join(rs) + " |")
+    lines += ["", "Per seed, steps to the threshold (- = never reached):", ""]
+    for c, s in stats.items():
+        per = ", ".join(f"s{seed} {v if v is not None else '-'}"
+                        for seed, v in zip(s["seeds"], s["reach_steps"]))
+        lines.append(f"- {c}: {per}")
+    if missing := [c for c in configs if c not in stats]:
+        lines += ["", f"No finished runs: {', '.join(missing)}."]
+    if unfinished:
+        lines += ["", f"Unfinished, left out: {', '.join(unfinished)}."]
+    v, paragraph = verdict(stats, threshold)
+    lines += ["", "## Verdict", "", paragraph, "", "### The rule", "", VERDICT_RULE, "",
+              "### Time", "", "Seconds are wall-clock seconds since the run's step-0 row (logged "
+              "just after the first evaluation): they include every later held-out evaluation, "
+              "equally for all configs, but not start-up; a stop and resume is charged as one "
+              "ordinary step. With --jobs > 1 runs shared the CPU. Threshold steps can only be "
+              f"multiples of --eval-every ({args.eval_every}) or the last step.", ""]
+    (out / "summary.md").write_text("\n".join(lines))
+    return v
+
+
+def curve(runs: dict, config: str, key: str, x: str = "step"):
+    """Mean over seeds of `key` at each step where it was logged, with min and max, against
+    the step or the mean seconds at that step: (xs, mean, lo, hi), or None."""
+    at = {}
+    for (c, _), rows in runs.items():
+        if c == config:
+            for r in rows:
+                if r.get(key) is not None:
+                    at.setdefault(r["step"], []).append((r["seconds"], r[key]))
+    if not at:
+        return None
+    steps = sorted(at)
+    xs = [s if x == "step" else sum(p[0] for p in at[s]) / len(at[s]) for s in steps]
+    ys = [[p[1] for p in at[s]] for s in steps]
+    return xs, [sum(v) / len(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys]
+
+
+def plot_curves(out: Path, runs: dict, configs: list[str], threshold: float | None) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no curves.png (pip install matplotlib); "
+              "results.csv and summary.md are written")
+        return False
+    panels = [("eval/sampled_acc", "step", "held-out sampled acc"),
+              ("eval/greedy_acc", "step", "held-out greedy acc"),
+              ("entropy", "step", "entropy (sampling policy)"),
+              ("eval/sampled_acc", "seconds", "held-out sampled acc"),
+              ("eval/greedy_acc", "seconds", "held-out greedy acc"),
+              ("mask_frac", "step", "TEPO KL-mask fraction")]
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, x, title) in zip(axes.flat, panels):
+        for i, config in enumerate(configs):
+            c = curve(runs, config, key, x)
+            if c is None:
+                continue
+            style = dict(color=colours[i % len(colours)], ls="-" if i < len(colours) else "--")
+            ax.plot(c[0], c[1], label=config, **style)
+            ax.fill_between(c[0], c[2], c[3], alpha=0.15, color=style["color"])
+        if threshold is not None and key == "eval/sampled_acc":
+            ax.axhline(threshold, color="k", ls=":", lw=1, label=f"threshold {threshold:.3f}")
+        ax.set_title(title)
+        ax.set_xlabel("training step" if x == "step" else "wall-clock seconds since step 0")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle("mean over seeds, band = min to max")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+# =====================================================================================
+# Main
+# =====================================================================================
+def study(args: Args) -> int:
+    check_args(args)
+    configs, seeds = resolve_configs(args.configs), resolve_seeds(args.seeds)
+    out = Path(args.out).resolve()
+    failed = []
+    if not args.no_run:
+        out.mkdir(parents=True, exist_ok=True)
+        check_same_settings(out, args, configs)
+        (out / "logs").mkdir(exist_ok=True)
+        jobs = make_jobs(args, configs, seeds, out)
+        skipped = len(configs) * len(seeds) - len(jobs)
+        print(f"{len(jobs)} run(s) to do, {skipped} already finished, {args.jobs} at a time; "
+              f"logs in {out / 'logs'}")
+        failed = run_jobs(jobs, args.jobs)
+    if not (out / "runs").is_dir():
+        raise UserError(f"no runs in {out}: run the study first (without --no-run)")
+    runs, unfinished = load_runs(out, configs, seeds)
+    threshold = threshold_of(runs, args.threshold_frac)
+    stats = aggregate(runs, configs, threshold)
+    write_csvs(out, runs)
+    v = write_summary(out, args, stats, threshold, unfinished, configs)
+    plotted = plot_curves(out, runs, configs, threshold)
+    print(f"wrote {out / 'summary.md'}, results.csv, steps.csv"
+          + (", curves.png" if plotted else ""))
+    print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): {v or 'no verdict'}")
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = common.parse_args(Args, argv)
+    with common.user_errors():
+        return study(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""bench.py: a smoke run of the command line (table, CSV, PNG), each script's benchmarked step
+against the script's own train() (same seed: the same weights after one step), TRL's timer and
+report on hand-made inputs, the interleaved TRL comparison (when TRL is installed), and the real-run
+estimate on a toy model with hand-computed values. No timing is asserted: timings are noisy."""
+
+import csv
+import importlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+import bench
+import common
+from common import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=8)  # 4 completions, 8 tokens
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# =====================================================================================
+# The command line, end to end
+# =====================================================================================
+def test_smoke_cli(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "bench.py"), "--steps", "1", "--warmup", "0", "--no-trl",
+           "--scripts", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--max-new-tokens", "16", "--curve-max-new-tokens", "8,16", "--curve-group-sizes", "2",
+           "--curve-prompts", "2", "--curve-steps", "1", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+    # the table, printed and in bench.md with the machine and the estimate
+    assert "| script | P x G | completions |" in p.stdout
+    assert "| grpo | 4 x 2 | 8 |" in p.stdout
+    assert "project/TRL" not in p.stdout  # --no-trl
+    md = (out / "bench.md").read_text()
+    assert "| grpo | 4 x 2 | 8 |" in md and f"torch {torch.__version__}" in md
+    assert "2 torch threads" in md and "ESTIMATE, NOT MEASURED ON A GPU" in md
+
+    # every timed step: the work of grpo.py's step (P*G completions, 2 optimizer steps)
+    steps = _csv(out / "bench_steps.csv")
+    assert len(steps) == 1 and steps[0]["script"] == "grpo"
+    assert int(steps[0]["completions"]) == 8 and int(steps[0]["optimizer_steps"]) == 2
+    assert 8 <= int(steps[0]["tokens"]) <= 8 * 16 and int(steps[0]["decode_steps"]) <= 16
+    assert float(steps[0]["ref_logp"]) > 0  # GRPO's reference model
+    assert float(steps[0]["advantage"]) == 0  # ERPO's / SAPO's phase only
+
+    # the curves: each value of each knob, the others at the run's values (P=4, G=2, T=16)
+    rows = _csv(out / "bench_curves.csv")
+    knobs = ("prompts_per_step", "group_size", "max_new_tokens")
+    points = [(r["sweep"], *(int(r[k]) for k in knobs)) for r in rows]
+    assert points == [("max_new_tokens", 4, 2, 8), ("max_new_tokens", 4, 2, 16),
+                      ("group_size", 4, 2, 16), ("prompts_per_step", 2, 2, 16)]
+    for r in rows:
+        assert int(r["completions"]) == int(r["prompts_per_step"]) * int(r["group_size"])
+        assert int(r["tokens"]) <= int(r["completions"]) * int(r["max_new_tokens"])
+        assert int(r["timed_steps"]) == 1 and float(r["step_s"]) > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in p.stdout
+    else:
+        assert (out / "bench_curves.png").stat().st_size > 0
+
+
+def test_estimate_only_and_bad_flags(capsys):
+    bench.main(["--estimate-only"])
+    text = capsys.readouterr().out
+    assert "ESTIMATE, NOT MEASURED ON A GPU" in text and "| A100 80GB SXM | grpo | 256 |" in text
+    for argv, message in ((["--steps", "0"], "--steps must be at least 1"),
+                          (["--scripts", "grpo,nope"], "unknown script 'nope'"),
+                          (["--scripts", "grpo,grpo"], "distinct"),
+                          (["--curve-group-sizes", "2,x"], "comma list of integers"),
+                          (["--curve-prompts", "0"], "integers >= 1"),
+                          (["--device", "tpu"], "unknown --device")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
+# =====================================================================================
+# Each script's benchmarked step is its train()'s step
+# =====================================================================================
+@pytest.mark.parametrize("name", [s for s in bench.SCRIPTS if bench.script_available(s)])
+def test_step_matches_train(name, tmp_path):
+    """Same seed and settings: one step of bench.py's call sequence leaves the policy with exactly
+    the weights that one step of <name>.py's train() saves (so bench times what train() does)."""
+    from safetensors.torch import load_file
+
+    mod = importlib.import_module(name)
+    mod.main(["--steps", "1", "--prompts-per-step", "4", "--group-size", "4",
+              "--max-new-tokens", "32", "--eval-dataset", "none", "--device", "cpu", "--seed", "3",
+              "--tensorboard", "false", "--output-dir", str(tmp_path), "--run-name", "r"])
+    ckpt = common.find_checkpoint(tmp_path / "r")
+    trained = load_file(str(ckpt / "model.safetensors"))
+
+    s = bench.setup(name, "cpu", 3, eval_dataset="none", prompts_per_step=4, group_size=4,
+                    max_new_tokens=32)  # long enough for right answers: a non-zero gradient
+    before = {k: v.clone() for k, v in s.policy.state_dict().items()}
+    r = bench.timed_step(s)
+    after = s.policy.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in after), "the step did not update"
+    assert all(torch.equal(trained[k], after[k]) for k in trained), f"{name}: not train()'s step"
+    if name == "sapo":  # and the critic's weights
+        critic = load_file(str(ckpt / "critic" / "model.safetensors"))
+        assert all(torch.equal(critic[k], s.critic.state_dict()[k]) for k in critic)
+
+    # the work and the phases that ran
+    assert r["completions"] == 16 * r["rounds"] and r["rounds"] >= 1
+    assert r["optimizer_steps"] == s.args.num_mini_batches * s.args.ppo_epochs
+    assert 0 < r["tokens"] <= r["completions"] * 32
+    assert (r["ref_logp"] > 0) == (s.ref is not None) == bench.uses_ref(name, s.args)
+    assert (r["advantage"] > 0) == (name in ("erpo", "sapo"))
+    assert all(r[p] > 0 for p in ("generate", "reward", "old_logp", "update"))
+    assert r["step"] >= sum(r[p] for p in bench.PHASES) > 0
+
+
+# =====================================================================================
+# Pieces, on hand-made inputs
+# =====================================================================================
+def test_clock_adds_up_per_phase():
+    clock = bench.Clock(torch.device("cpu"))
+    for _ in range(2):
+        with clock("a"):
+            time.sleep(0.02)
+    with clock("b"):
+        pass
+    assert clock.times["a"] >= 0.04 and clock.times["b"] < clock.times["a"]
+
+
+def test_trl_timer_on_a_fake_trainer():
+    """Phases by method, reference vs old log-probs by model, grad calls not timed, work counted
+    from _generate's completion ids (through the EOS)."""
+    policy, ref = object(), object()
+
+    def slow(result, seconds=0.01):
+        def f(*a, **k):
+            time.sleep(seconds)
+            return result
+        return f
+
+    trainer = NS(ref_model=ref, _generate=slow((None, [[1, 2, 3], [4], [5, 6]])),
+                 _calculate_rewards=slow("r"), _generate_and_score_completions=None,
+                 _get_per_token_logps_and_entropies=slow("logps"))
+
+    def prepare():  # TRL's order: generate, old and ref log-probs (no grad), rewards
+        trainer._generate()
+        with torch.no_grad():
+            trainer._get_per_token_logps_and_entropies(policy)
+            trainer._get_per_token_logps_and_entropies(ref)
+        trainer._calculate_rewards()
+        time.sleep(0.01)  # advantages and the rest
+        return "batch"
+    trainer._generate_and_score_completions = prepare
+    timer = bench.TRLTimer(trainer, torch.device("cpu"))
+    t0 = time.perf_counter()
+    assert trainer._generate_and_score_completions() == "batch"
+    with torch.enable_grad():
+        trainer._get_per_token_logps_and_entropies(policy)  # the update's: not timed
+    time.sleep(0.02)  # the update
+    row = timer.take(time.perf_counter() - t0, optimizer_steps=2)
+    assert (row["completions"], row["tokens"], row["decode_steps"], row["rounds"]) == (3, 6, 3, 1)
+    for p in ("generate", "reward", "old_logp", "ref_logp", "advantage"):
+        assert 0.01 <= row[p] < 0.05, (p, row[p])
+    assert row["update"] >= 0.02 and row["optimizer_steps"] == 2
+    assert abs(sum(row[p] for p in bench.PHASES) - row["step"]) < 1e-6
+    assert timer.take(1.0, 0)["completions"] == 0  # fresh after take
+
+
+def _row(step, completions=8, tokens=100, opt=2):
+    return {**{p: 0.1 for p in bench.PHASES}, "step": step, "tokens_per_s": tokens / step,
+            "completions": completions, "tokens": tokens, "decode_steps": 16,
+            "optimizer_steps": opt, "rounds": 1}
+
+
+def test_trl_report_ratio_is_the_median_of_pairs():
+    ok = {"same prompt token ids": True}
+    c = {"project": [_row(2.0), _row(4.0), _row(9.0)], "trl": [_row(1.0), _row(4.0), _row(3.0)],
+         "checks": ok, "config": {"beta": 0.04}}
+    text = bench.trl_report(c, "1.16.0")
+    # per-pair ratios 2, 1, 3: median 2 (the ratio of the medians, 4 / 3, would be 1.33)
+    assert "project/TRL step time: 2.00 (median over 3 interleaved steps)" in text
+    assert "work matched: yes" in text and "MISMATCH" not in text
+    c["trl"][1] = _row(4.0, completions=6)
+    text = bench.trl_report(c, "1.16.0")
+    assert "MISMATCH: completions equal in every pair" in text and "work matched: NO" in text
+    c["trl"][1], c["checks"] = _row(4.0), {"same prompt token ids": False}
+    assert "MISMATCH: same prompt token ids" in bench.trl_report(c, "1.16.0")
+
+
+def test_script_table_rows():
+    m = {**bench.summarize([_row(2.0), _row(3.0), _row(7.0)]), "ref_logp": 0.0, "advantage": 0.0}
+    table = bench.script_table({"dapo": (NS(prompts_per_step=16, group_size=8), m)})
+    head, rule, row = table.splitlines()
+    assert head.count("|") == rule.count("|") == row.count("|") == 13
+    assert row == ("| dapo | 16 x 8 | 8 | 100 | 0.100 | 0.100 | 0.100 | - | - | 0.100 "
+                   "| 3.000 (2.000-7.000) | 33 |")
+
+
+def test_trl_config_rejects_partial_micro_batches():
+    a = NS(prompts_per_step=16, group_size=8, num_mini_batches=2, micro_batch_size=48)
+    with pytest.raises(UserError, match="64 completions does not split into micro-batches of 48"):
+        bench.trl_config_kwargs(a, "/tmp/x", 1)
+
+
+def test_real_run_estimate_on_a_toy_model():
+    """1e9 parameters, no embedding, one layer with one KV head of size 1 (4 bytes of K and V per
+    token in bf16), 1 GB/s and 1e11 FLOP/s at 50%: every number below by hand."""
+    toy = dict(params=1e9, embed=0, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1)
+    e = bench.real_run_estimate(P=1, G=2, max_new_tokens=10, gen_batch_size=2, mean_completion=5,
+                                prompt_len=0, ref=True, launch_s=0.02, mfu=0.5, bandwidth=1e9,
+                                flops=1e11, model=toy)
+    # decode step: (2 bytes x 1e9 weights + 3 x KV of 2 rows x 5 mean positions x 4 B) / 1e9 B/s
+    assert e["memory_step_s"] == pytest.approx((2e9 + 3 * 40) / 1e9)
+    assert e["decode_step_s"] == e["memory_step_s"]  # above the 20 ms launch floor
+    assert e["generate_s"] == pytest.approx(10 * (2e9 + 120) / 1e9)  # one call, 10 steps
+    # train: 6 passes (old, ref, update x 4) x (20 positions x 2e9 + 10 valid x 2 FLOP) / 5e10
+    assert e["train_s"] == pytest.approx(6 * (20 * 2e9 + 10 * 2) / 5e10)
+    assert e["tokens_per_s"] == pytest.approx(10 / (e["generate_s"] + e["train_s"]))
+    # launch-bound: a faster memory changes nothing; a critic adds 5 passes
+    fast = bench.real_run_estimate(P=1, G=2, max_new_tokens=10, gen_batch_size=2, prompt_len=0,
+                                   bandwidth=1e15, model=toy, launch_s=0.02)
+    assert fast["decode_step_s"] == 0.02 and fast["generate_s"] == pytest.approx(0.2)
+    critic = bench.real_run_estimate(P=1, G=2, max_new_tokens=10, gen_batch_size=2,
+                                     mean_completion=5, prompt_len=0, critic=True, mfu=0.5,
+                                     flops=1e11, model=toy)
+    assert critic["train_s"] == pytest.approx(11 * (20 * 2e9 + 10 * 2) / 5e10)
+    # several generate() calls: 256 completions in batches of 64
+    assert bench.real_run_estimate(P=32, G=8)["generate_calls"] == 4
+
+
+# =====================================================================================
+# TRL's GRPOTrainer on grpo.py's work (skipped without TRL)
+# =====================================================================================
+def test_trl_comparison_matches_the_work():
+    pytest.importorskip("trl")
+    args = bench.Args(warmup=0, **TINY)
+    c = bench.compare_with_trl(args, steps=2)
+    assert len(c["project"]) == len(c["trl"]) == 2
+    assert all(c["checks"].values()), c["checks"]
+    for p, t in zip(c["project"], c["trl"]):
+        assert p["completions"] == t["completions"] == 4
+        assert p["optimizer_steps"] == t["optimizer_steps"] == 2
+        assert t["ref_logp"] > 0 and t["old_logp"] > 0 and t["generate"] > 0
+        assert 0 < t["tokens"] <= 4 * 8
+    assert c["config"]["steps_per_generation"] == 2 and c["config"]["generation_batch_size"] == 4
+    text = bench.trl_report(c, "1.16.0")
+    assert "work matched: yes" in text
+    assert "project/TRL step time: " in text and "(median over 2 interleaved steps)" in text

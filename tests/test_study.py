@@ -1,0 +1,397 @@
+"""study.py: a smoke study end to end (2 steps, one seed, grpo and tepo, small batches), skipping
+finished runs, continuing a run with --steps, stopping on SIGTERM, failures, and the aggregation
+and verdict rule on hand-made metrics with hand-computed values."""
+
+import csv
+import doctest
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import study
+from common import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = "--prompts-per-step 2 --group-size 4 --micro-batch-size 8 --num-mini-batches 2"
+
+
+def _study(out, *flags, configs="grpo,tepo"):
+    cmd = [sys.executable, str(ROOT / "study.py"), "--configs", configs, "--seeds", "1",
+           "--eval-every", "1", "--eval-n", "16", "--out", str(out), "--extra", SMALL, *flags]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# =====================================================================================
+# End to end: real runs of grpo.py and tepo.py
+# =====================================================================================
+def test_smoke_study_skip_and_continue(tmp_path):
+    out = tmp_path / "study"
+    p = _study(out, "--steps", "2", "--jobs", "2")  # side by side, one torch thread each on 2 cores
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "2 run(s) to do, 0 already finished, 2 at a time" in p.stdout
+
+    # results.csv: the evaluations at steps 0, 1, 2 of each run, accuracies out of 16 problems
+    rows = _csv(out / "results.csv")
+    assert [(r["config"], r["seed"], r["step"]) for r in rows] == [
+        (c, "1", s) for c in ("grpo", "tepo") for s in ("0", "1", "2")]
+    for c in ("grpo", "tepo"):
+        secs = [float(r["seconds"]) for r in rows if r["config"] == c]
+        assert secs[0] == 0 and secs[0] < secs[1] < secs[2]
+    for r in rows:
+        for k in ("greedy_acc", "sampled_acc"):
+            assert float(r[k]) * 16 == round(float(r[k]) * 16) and 0 <= float(r[k]) <= 1
+    # steps.csv: one row per training step; mask_frac only where TEPO logs it
+    steps = _csv(out / "steps.csv")
+    assert [(r["config"], r["step"]) for r in steps] == [
+        ("grpo", "1"), ("grpo", "2"), ("tepo", "1"), ("tepo", "2")]
+    assert all(r["entropy"] for r in steps)
+    assert [bool(r["mask_frac"]) for r in steps] == [False, False, True, True]
+
+    # summary.md: threshold = 0.9 x GRPO's final sampled accuracy (one seed: its own)
+    summary = (out / "summary.md").read_text()
+    grpo_final = float([r for r in rows if r["config"] == "grpo"][-1]["sampled_acc"])
+    assert f"**Threshold**: {0.9 * grpo_final:.3f}" in summary
+    assert "| grpo | 1 | 2 |" in summary and "| tepo | 1 | 2 |" in summary
+    assert "## Verdict" in summary and "### The rule" in summary
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "curves.png").stat().st_size > 10_000
+    except ImportError:
+        assert "matplotlib is not installed" in p.stdout
+    for c in ("grpo", "tepo"):
+        log = (out / "logs" / f"{c}-s1.log").read_text()
+        assert log.startswith("$ ") and "--eval-n 16" in log.splitlines()[0]
+
+    # the same command again: nothing is run, nothing in the runs changes
+    run = out / "runs" / "grpo-s1"
+    before = {f: (run / f).stat().st_mtime_ns for f in ("summary.json", "metrics.jsonl")}
+    p = _study(out, "--steps", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "0 run(s) to do, 2 already finished" in p.stdout
+    assert before == {f: (run / f).stat().st_mtime_ns for f in ("summary.json", "metrics.jsonl")}
+
+    # more steps: the finished run is continued from its last checkpoint, not started again
+    p = _study(out, "--steps", "3", configs="grpo")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert (out / "logs" / "grpo-s1.resumes").read_text().split() == ["2"]
+    assert "--resume" in (out / "logs" / "grpo-s1.log").read_text()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    for argv, message in (
+        (["--configs", "grpo,nope"], "unknown config 'nope'"),
+        (["--seeds", "1,x"], "--seeds must be a comma list"),
+        (["--threshold-frac", "1.5"], "--threshold-frac must be in (0, 1]"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["--no-run"], "no runs in"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            study.main([*argv, "--out", str(tmp_path / "empty")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err, err
+
+
+# =====================================================================================
+# Planning and running, with stand-in folders and stand-in processes
+# =====================================================================================
+def _fake_checkpoint(run_dir, step):
+    (run_dir / f"checkpoint-{step}").mkdir(parents=True)
+    (run_dir / f"checkpoint-{step}" / "trainer_state.pt").write_bytes(b"")
+    (run_dir / "latest").write_text(f"checkpoint-{step}\n")
+
+
+def test_plan_run(tmp_path):
+    d = tmp_path / "r"
+    assert study.plan_run(d, None) == "fresh"  # nothing there
+    d.mkdir()
+    (d / "args.json").write_text("{}")
+    assert study.plan_run(d, None) == "fresh"  # a start that failed before its first step
+    (d / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert study.plan_run(d, None) == "restart"  # killed hard, no checkpoint
+    _fake_checkpoint(d, 5)
+    assert study.plan_run(d, None) == "resume"
+    (d / "summary.json").write_text(json.dumps({"steps": 5}))
+    assert study.plan_run(d, None) == "skip"
+    assert study.plan_run(d, 5) == "skip"
+    assert study.plan_run(d, 4) == "skip"
+    assert study.plan_run(d, 6) == "resume"  # asked for more steps
+
+
+def test_make_jobs(tmp_path):
+    out = tmp_path / "s"
+    (out / "logs").mkdir(parents=True)
+    runs = out / "runs"
+    (runs / "grpo-s2").mkdir(parents=True)
+    (runs / "grpo-s2" / "metrics.jsonl").write_text('{"step": 0}\n')  # to restart
+    (out / "logs" / "grpo-s2.resumes").write_text("3\n")  # belonged to the run moved aside
+    _fake_checkpoint(runs / "tepo-observed-s1", 7)  # to resume
+    (runs / "grpo-s1").mkdir()
+    (runs / "grpo-s1" / "summary.json").write_text(json.dumps({"steps": 160}))  # to skip
+    args = study.Args(configs="grpo,tepo-observed", seeds="1,2", extra="--lr 1e-3")
+    jobs = study.make_jobs(args, ["grpo", "tepo-observed"], [1, 2], out)
+    assert [j.name for j in jobs] == ["tepo-observed-s1", "grpo-s2", "tepo-observed-s2"]
+    resume, fresh = jobs[0].cmd, jobs[2].cmd
+    assert resume[1:] == [str(ROOT / "tepo.py"), "--resume", str(runs / "tepo-observed-s1")]
+    assert jobs[0].append and not jobs[2].append
+    assert (out / "logs" / "tepo-observed-s1.resumes").read_text() == "7\n"
+    assert fresh[1:] == [str(ROOT / "tepo.py"), "--seed", "2", "--output-dir", str(runs),
+                         "--run-name", "tepo-observed-s2", "--eval-every", "10", "--eval-n", "128",
+                         "--save-every", "100000", "--sample-every", "100000",
+                         "--tensorboard", "false", "--entropy-test", "observed", "--lr", "1e-3"]
+    assert (runs / "grpo-s2.incomplete-1" / "metrics.jsonl").is_file()  # moved aside
+    assert not (runs / "grpo-s2").exists() and not (out / "logs" / "grpo-s2.resumes").exists()
+    _fake_checkpoint(runs / "grpo-s1", 160)
+    args.steps = 200
+    jobs = study.make_jobs(args, ["grpo"], [1], out)
+    assert jobs[0].cmd[-2:] == ["--steps", "200"] and "--resume" in jobs[0].cmd  # continued
+
+
+def test_configs_and_settings(tmp_path):
+    assert study.resolve_configs("tepo,grpo") == ["tepo", "grpo"]
+    default = study.resolve_configs(None)
+    assert default[:4] == ["grpo", "dapo", "tepo", "tepo-observed"]
+    assert default[-3:] == ["tepo-token-ratio", "tepo-no-kl", "tepo-mask-ref"]
+    for name in ("erpo", "sapo"):
+        assert (name in default) == study.script_available(name)
+    assert study.resolve_seeds("3,1") == [3, 1]
+    args = study.Args()
+    study.check_same_settings(tmp_path, args, ["grpo"])
+    study.check_same_settings(tmp_path, args, ["grpo", "tepo"])  # adding a config is fine
+    with pytest.raises(UserError, match="--eval-n"):
+        study.check_same_settings(tmp_path, study.Args(eval_n=64), ["grpo"])
+    with pytest.raises(UserError, match="--extra"):
+        study.check_same_settings(tmp_path, study.Args(extra="--lr 1"), ["grpo"])
+
+
+def _job(tmp_path, name, code):
+    return study.Job(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+def test_run_jobs_reports_failures_and_goes_on(tmp_path, capsys):
+    jobs = [_job(tmp_path, "bad", "import sys; print('line 1'); print('boom'); sys.exit(3)"),
+            _job(tmp_path, "good", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"),
+            _job(tmp_path, "after", "print('ran')")]
+    assert study.run_jobs(jobs, 2, poll_s=0.05) == ["bad"]
+    err = capsys.readouterr().err
+    assert "FAILED bad (exit 3)" in err and "boom" in err
+    cores = len(os.sched_getaffinity(0))
+    assert f"threads {max(1, cores // 2)}" in (tmp_path / "good.log").read_text()
+    assert "ran" in (tmp_path / "after.log").read_text()  # the study went on
+    assert (tmp_path / "bad.log").read_text().startswith("$ ")
+
+
+def test_study_exit_code_after_a_failure(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "s"
+    _write_run(out, "grpo-s1", reach=None)
+    monkeypatch.setattr(study, "make_jobs", lambda *a: [_job(tmp_path, "x", "raise SystemExit(1)")])
+    assert study.main(["--configs", "grpo", "--seeds", "1", "--out", str(out)]) == 1
+    assert "1 run(s) failed: x" in capsys.readouterr().err
+    assert (out / "summary.md").is_file()  # the aggregation still ran
+
+
+def test_sigterm_stops_running_jobs_with_a_save(tmp_path):
+    """SIGTERM on the study: each running script gets SIGTERM (save and stop); exit 130."""
+    child = ("import pathlib, signal, sys, time; p = pathlib.Path(sys.argv[1]); "
+             "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('saved'), sys.exit(143))); "
+             "p.with_suffix('.up').write_text(''); time.sleep(120)")
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); import study\n"
+        f"from pathlib import Path\nt = Path({str(tmp_path)!r})\n"
+        f"jobs = [study.Job(f'j{{i}}', [sys.executable, '-c', {child!r}, str(t / f'j{{i}}.txt')],"
+        f" t / f'j{{i}}.log') for i in range(3)]\n"
+        f"study.run_jobs(jobs, 2, poll_s=0.05)\n")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not all((tmp_path / f"j{i}.up").exists() for i in (0, 1)):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert [(tmp_path / f"j{i}.txt").read_text() for i in (0, 1)] == ["saved", "saved"]
+    assert not (tmp_path / "j2.log").exists()  # the third never started
+    assert "run the same command again" in output
+
+
+# =====================================================================================
+# Aggregation on hand-made metrics
+# =====================================================================================
+def _rows(reach, steps=150, every=10, dt=3.0, lo=0.2, hi=0.6):
+    """A run logged every step, dt seconds apart; held-out sampled accuracy lo until step
+    `reach` (None: never), hi from there on; greedy 0.1 above it."""
+    rows = []
+    for step in range(steps + 1):
+        r = {"step": step, "time": 1000.0 + dt * step, "seconds": dt * step}
+        if step:
+            r.update(entropy=0.5, reward=0.25)
+        if step % every == 0:
+            acc = hi if reach is not None and step >= reach else lo
+            r.update({"eval/sampled_acc": acc, "eval/greedy_acc": acc + 0.1})
+        rows.append(r)
+    return rows
+
+
+def _runs(**reach_by_config):
+    return {(c, s): _rows(r) for c, reaches in reach_by_config.items()
+            for s, r in zip((1, 2, 3), reaches)}
+
+
+def _write_run(out, name, reach, resumes=None):
+    d = out / "runs" / name
+    d.mkdir(parents=True)
+    rows = [{k: v for k, v in r.items() if k != "seconds"} for r in _rows(reach)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"steps": 150}))
+    if resumes:
+        (out / "logs").mkdir(exist_ok=True)
+        (out / "logs" / f"{name}.resumes").write_text(resumes)
+
+
+def test_elapsed_seconds():
+    t = [0.0, 2.0, 5.0, 15.0, 500.0, 502.0, 600.0, 610.0]  # times of steps 0..7
+    rows = [{"step": s, "time": x} for s, x in enumerate(t)]
+    for s in (0, 3, 7):  # evaluations at 0, 3 and 7
+        rows[s]["eval/sampled_acc"] = 0.5
+    assert study.elapsed_seconds(rows) == [0, 2, 5, 15, 500, 502, 600, 610]
+    # resumed after steps 3 and 5: steps 4 and 6 get the median of the other training gaps
+    # (2, 3, 2): 2. The evaluating gaps (10 at steps 3 and 7) are not theirs to use.
+    assert study.elapsed_seconds(rows, {3, 5}) == [0, 2, 5, 15, 17, 19, 21, 31]
+    # resumed after step 3: step 4, an evaluation, gets the other evaluating gap, 5 (not 2)
+    rows2 = [{"step": s, "time": x} for s, x in enumerate([0.0, 2.0, 7.0, 9.0, 99.0])]
+    for s in (0, 2, 4):
+        rows2[s]["eval/sampled_acc"] = 0.5
+    assert study.elapsed_seconds(rows2, {3}) == [0, 2, 7, 9, 14]
+
+
+def test_first_reach_and_mean_std():
+    rows = _rows(reach=40)
+    assert study.first_reach(rows, 0.54) == (40, 120.0)
+    assert study.first_reach(rows, 0.6) == (40, 120.0)  # at the threshold counts
+    assert study.first_reach(rows, 0.61) is None
+    assert study.first_reach(_rows(reach=None), 0.54) is None
+    assert study.mean_std([40, 50, 60]) == (50, 10)
+    m, s = study.mean_std([1, 2])
+    assert m == 1.5 and abs(s - 0.5 ** 0.5) < 1e-12
+    assert study.mean_std([7]) == (7, None) and study.mean_std([]) == (None, None)
+
+
+def test_threshold_and_aggregate():
+    runs = {("grpo", 1): _rows(90, hi=0.5), ("grpo", 2): _rows(100, hi=0.6),
+            ("grpo", 3): _rows(110, hi=0.7), ("tepo", 1): _rows(None)}
+    thr = study.threshold_of(runs, 0.9)
+    assert abs(thr - 0.9 * 0.6) < 1e-12
+    stats = study.aggregate(runs, ["grpo", "dapo", "tepo"], thr)
+    assert list(stats) == ["grpo", "tepo"]  # no dapo runs
+    g = stats["grpo"]
+    # seed 1 tops out at 0.5 < 0.54: never reached
+    assert g["reach_steps"] == [None, 100, 110] and g["reach_seconds"] == [None, 300.0, 330.0]
+    assert g["sampled"] == [0.5, 0.6, 0.7] and g["start"] == [0.2] * 3 and g["steps"] == 150
+    assert stats["tepo"]["reach_steps"] == [None]
+    assert study.threshold_of({("tepo", 1): _rows(10)}, 0.9) is None
+
+
+def test_compare_rule():
+    base = [90, 100, 110]
+    assert study.compare([40, 50, 60], base) == "confirmed"  # 0.5x, no overlap
+    assert study.compare([55, 60, 65], base) == "confirmed"  # exactly 0.6x
+    assert study.compare([60, 61, 65], base) == "inconclusive"  # 0.62x
+    assert study.compare([20, 30, 95], base) == "inconclusive"  # 0.48x, but 95 > 90: overlap
+    assert study.compare([40, 50, None], base) == "inconclusive"  # one TEPO run never got there
+    assert study.compare([40, 50, 60], [90, None, None]) == "confirmed"  # unreached = slowest
+    assert study.compare([100, 100, 100], base) == "refuted"  # as slow as the baseline
+    assert study.compare([67, 70, 80], base) == "refuted"  # 0.72x, and 67 / 110 = 0.61 > 0.6
+    assert study.compare([65, 70, 80], base) == "inconclusive"  # 65 / 110 = 0.59: seeds overlap
+    assert study.compare([70, None, None], [100, 100, 100]) == "refuted"  # 0.7x at best
+    assert study.compare([None, None, None], base) == "refuted"
+    assert study.compare([40, 50, 60], [None, None, None]) == "inconclusive"
+    assert study.combine(["confirmed", "confirmed"]) == "confirmed"
+    assert study.combine(["confirmed", "inconclusive"]) == "inconclusive"
+    assert study.combine(["confirmed", "refuted"]) == "refuted"
+    assert study.combine([]) == "inconclusive"
+
+
+@pytest.mark.parametrize("tepo,dapo,expected", [
+    ([40, 50, 60], [110, 120, 130], "confirmed"),
+    ([40, 50, 60], [30, 40, 50], "refuted"),  # faster than GRPO, slower than DAPO
+    ([50, 60, 100], [110, 120, 130], "inconclusive"),
+    ([None, None, None], [110, 120, 130], "refuted"),
+])
+def test_verdict(tepo, dapo, expected):
+    runs = _runs(grpo=[90, 100, 110], dapo=dapo, tepo=tepo)
+    thr = study.threshold_of(runs, 0.9)
+    v, text = study.verdict(study.aggregate(runs, ["grpo", "dapo", "tepo"], thr), thr)
+    assert v == expected and f"In steps: **{expected}**" in text
+
+
+def test_no_verdict():
+    runs = _runs(grpo=[90, 100, 110], tepo=[40, 50, 60])
+    stats = study.aggregate(runs, ["grpo", "tepo"], 0.2)  # the accuracy before training
+    assert study.verdict(stats, 0.2)[0] is None and "not above" in study.verdict(stats, 0.2)[1]
+    stats = study.aggregate(_runs(grpo=[90]), ["grpo"], 0.54)  # no TEPO run
+    v, text = study.verdict(stats, 0.54)
+    assert v is None and text.startswith("No verdict")
+
+
+def test_summary_and_csv_from_disk(tmp_path, capsys):
+    """--no-run aggregates finished runs on disk; the table shows hand-computed figures."""
+    out = tmp_path / "s"
+    for c, reaches in (("grpo", [90, 100, 110]), ("dapo", [110, 120, 130]),
+                       ("tepo", [40, 50, 60])):
+        for seed, reach in zip((1, 2, 3), reaches):
+            _write_run(out, f"{c}-s{seed}", reach)
+    (out / "runs" / "tepo-observed-s1").mkdir()  # started, not finished: left out, and said so
+    assert study.main(["--configs", "grpo,dapo,tepo,tepo-observed", "--out", str(out),
+                       "--no-run"]) == 0
+    summary = (out / "summary.md").read_text()
+    # threshold 0.9 x 0.6 = 0.54; TEPO 50 ± 10 steps = 150 ± 30 s; 50 / 100 = 0.50x GRPO,
+    # 50 / 120 = 0.42x DAPO, the same in seconds
+    assert "**Threshold**: 0.540" in summary
+    assert ("| tepo | 3 | 150 | 0.600 ± 0.000 | 0.700 ± 0.000 | 50 ± 10 (3/3 reached) | "
+            "150 ± 30 (3/3 reached) | 0.50x | 0.42x | 0.50x | 0.42x |") in summary
+    assert "| grpo | 3 | 150 | 0.600 ± 0.000 | 0.700 ± 0.000 | 100 ± 10 (3/3 reached)" in summary
+    assert "before training (step 0, the same model for every config): 0.200 ± 0.000" in summary
+    assert "- tepo: s1 40, s2 50, s3 60" in summary
+    assert "In steps: **confirmed**" in summary and "In seconds: **confirmed**" in summary
+    assert "Unfinished, left out: tepo-observed-s1" in summary
+    assert "No finished runs: tepo-observed" in summary
+    res = _csv(out / "results.csv")
+    assert len(res) == 9 * 16  # 9 runs x evaluations at steps 0, 10, ..., 150
+    assert res[5] == {"config": "grpo", "seed": "1", "step": "50", "seconds": "150",
+                      "greedy_acc": "0.3", "sampled_acc": "0.2"}
+    steps = _csv(out / "steps.csv")
+    assert len(steps) == 9 * 150 and steps[0]["mask_frac"] == "" and steps[0]["entropy"] == "0.5"
+    assert "verdict" in capsys.readouterr().out
+
+
+def test_resumes_on_disk_are_not_counted(tmp_path):
+    """A resume noted in logs/<run>.resumes: the stopped interval does not count as seconds."""
+    out = tmp_path / "s"
+    _write_run(out, "grpo-s1", reach=30, resumes="4\n")
+    path = out / "runs" / "grpo-s1" / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in rows[5:]:
+        r["time"] += 1000.0  # stopped for 1000 s after step 4
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs, unfinished = study.load_runs(out, ["grpo"], [1])
+    assert unfinished == [] and [r["seconds"] for r in runs["grpo", 1]][:7] == [
+        0, 3, 6, 9, 12, 15, 18]
+
+
+def test_doctests():
+    assert doctest.testmod(study).failed == 0
