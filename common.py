@@ -1079,7 +1079,7 @@ def write_token_html(path: Path, title: str, rows: list[dict]) -> None:
     out.append(
         "<script>function paint(){var q=document.getElementById('q').value;"
         "document.querySelectorAll('.tok').forEach(function(e){"
-        "e.style.background=e.dataset[q]||''})}paint()</script>"
+        "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(out))

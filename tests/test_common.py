@@ -66,12 +66,12 @@ def test_integer_fast_path_agrees_with_math_verify():
 def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
-    common.save_checkpoint(tmp_path, 1, model, tok, {"step": 1}, keep=2)
+    common.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
     # a crash while writing step 2 leaves a temporary folder behind: the run still resumes from step 1
     (tmp_path / ".tmp-checkpoint-2").mkdir()
     assert common.find_checkpoint(tmp_path).name == "checkpoint-1"
     for step in (2, 3):
-        common.save_checkpoint(tmp_path, step, model, tok, {"step": step, "t": torch.ones(2)}, keep=2)
+        common.save_checkpoint(tmp_path, step, {"": model}, tok, {"step": step, "t": torch.ones(2)}, keep=2)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     ck = common.find_checkpoint(tmp_path)
     assert ck.name == "checkpoint-3" and common.load_trainer_state(ck)["step"] == 3

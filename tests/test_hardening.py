@@ -184,7 +184,7 @@ BAD_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", [*SCRIPTS, "erpo", "sapo"])
 def test_every_flag_is_checked_before_any_model_loads(name, tmp_path, capsys, monkeypatch):
     mod = importlib.import_module(name)
     monkeypatch.setattr(mod, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
