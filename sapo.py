@@ -6,7 +6,7 @@ released verl-based code. Not Qwen's "Soft Adaptive Policy Optimization", which 
 acronym and is a different method (a soft gate instead of the clip). The objectives of every
 script in this project, and every choice we had to make, are explained in docs/objectives.md.
 
-    python sapo.py                                # bundled tiny model + arithmetic task, CPU
+    python sapo.py                                # bundled tiny model + arithmetic task, CPU, ~4 min
     python sapo.py --model Qwen2.5-Math-1.5B      # the real run: one CUDA GPU, MATH train split
     python sapo.py --resume runs/<run-name>       # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>/checkpoint-<step>   # the policy; the critic is in critic/
