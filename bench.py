@@ -307,7 +307,7 @@ def step_grpo(s: Setup, clock: Clock) -> dict:
             for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
                 s.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for mb in mini.split(args.micro_batch_size):
+                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
                     logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
                                                              with_entropy=False)
                     ref_mb = ref_logp[mb] if ref_logp is not None else None
@@ -348,7 +348,7 @@ def step_dapo(s: Setup, clock: Clock) -> dict:
                 s.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 num_tokens = mask[mini].sum().item()
-                for mb in mini.split(args.micro_batch_size):
+                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
                     logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
                                                              with_entropy=False)
                     loss = mod.dapo_loss(logp, old_logp[mb], advantages[mb], mask[mb], num_tokens,
@@ -388,7 +388,7 @@ def step_tepo(s: Setup, clock: Clock) -> dict:
                 s.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 num_tokens = mask[mini].sum().item()
-                for mb in mini.split(args.micro_batch_size):
+                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
                     logp, entropy, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
                                                                    with_entropy=observed)
                     falls = (entropy < base_entropy[mb] - args.entropy_tol if observed
@@ -433,7 +433,7 @@ def step_erpo(s: Setup, clock: Clock) -> dict:
             for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
                 s.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for mb in mini.split(args.micro_batch_size):
+                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
                     logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
                                                              with_entropy=False)
                     ref_mb = ref_logp[mb] if ref_logp is not None else None
@@ -473,7 +473,7 @@ def step_sapo(s: Setup, clock: Clock) -> dict:
                 num_tokens = batch["mask"][mini].sum().item()
                 num_segments = seg_mask[mini].sum().item()
                 loss_sum, value_loss_sum = 0.0, 0.0
-                for mb in mini.split(args.micro_batch_size):
+                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
                     m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]
                     logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
                                                              with_entropy=False)
@@ -805,11 +805,26 @@ def curve_points(base, sweeps: list[tuple[str, list[int]]]) -> list[tuple[str, d
             for knob, values in sweeps for v in values]
 
 
+@contextlib.contextmanager
+def forced_length(mod):
+    """Within it, mod's rollouts never stop before --max-new-tokens: its GenerationConfig gets
+    min_new_tokens = max_new_tokens, which suppresses EOS until then. The tiny model ends its
+    completions after about 25 tokens, so without this every cap above 40 would cost the same;
+    with it the length sweep shows cost against completion length (the tokens past the natural
+    end are nonsense, and only their cost counts)."""
+    orig = mod.GenerationConfig
+    mod.GenerationConfig = lambda **kw: orig(**kw, min_new_tokens=kw.get("max_new_tokens") or 0)
+    try:
+        yield
+    finally:
+        mod.GenerationConfig = orig
+
+
 def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
     """One fresh setup per point (the script's tiny preset with one knob changed), one warm-up
-    step, then --curve-steps timed steps. A point shared by two sweeps is timed once. Returns the
-    CSV's rows and whether the PNG was drawn. (The tiny model's completions end after about 25
-    tokens, so on the tiny task caps above 40 cost about the same: see decode_steps.)"""
+    step, then --curve-steps timed steps. The --max-new-tokens sweep forces every completion to
+    its cap (forced_length); the G and P sweeps keep natural lengths. Returns the CSV's rows and
+    whether the PNG was drawn."""
     name = args.curve_script
     base = setup(name, args.device, args.seed, prompts_per_step=args.prompts_per_step,
                  group_size=args.group_size, max_new_tokens=args.max_new_tokens).args
@@ -818,14 +833,17 @@ def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
               ("prompts_per_step", int_list(args.curve_prompts, "--curve-prompts"))]
     done, rows = {}, []
     for knob, point in curve_points(base, sweeps):
-        key = tuple(point.values())
+        forced = knob == "max_new_tokens"
+        key = (*point.values(), forced)
         if key not in done:
             label = (f"{name} P={point['prompts_per_step']} G={point['group_size']} "
-                     f"T={point['max_new_tokens']}")
-            done[key] = summarize(time_script(setup(name, args.device, args.seed, **point),
-                                              args.curve_steps, 1, label))
+                     f"T={point['max_new_tokens']}{' (forced length)' if forced else ''}")
+            s = setup(name, args.device, args.seed, **point)
+            with forced_length(s.mod) if forced else contextlib.nullcontext():
+                done[key] = summarize(time_script(s, args.curve_steps, 1, label))
         m = done[key]
-        rows.append({"script": name, "sweep": knob, **point, "completions": m["completions"],
+        rows.append({"script": name, "sweep": knob, **point, "forced_length": forced,
+                     "completions": m["completions"],
                      "tokens": m["tokens"], "decode_steps": m["decode_steps"],
                      **{f"{p}_s": round(m[p], 4) for p in PHASES}, "step_s": round(m["step"], 4),
                      "step_min_s": round(m["step_min"], 4), "step_max_s": round(m["step_max"], 4),
@@ -844,8 +862,8 @@ def plot_curves(path: Path, rows: list[dict]) -> bool:
         print(f"matplotlib is not installed: no {path.name} (pip install matplotlib); "
               "the CSV is written")
         return False
-    knobs = [("max_new_tokens", "--max-new-tokens"), ("group_size", "G, completions per prompt"),
-             ("prompts_per_step", "P, prompts per step")]
+    knobs = [("max_new_tokens", "--max-new-tokens (every completion forced to it)"),
+             ("group_size", "G, completions per prompt"), ("prompts_per_step", "P, prompts per step")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (knob, label) in zip(axes, knobs):
         pts = sorted((r for r in rows if r["sweep"] == knob), key=lambda r: r[knob])
@@ -1022,7 +1040,9 @@ def run(args: Args) -> dict:
         curve, plotted = cost_curves(args, out)
         md += ["## Cost curves", "", f"{args.curve_script}.py, one knob at a time from its tiny "
                f"preset, {args.curve_steps} timed steps per point (bench_curves.csv, "
-               "bench_curves.png).", "",
+               "bench_curves.png). In the max_new_tokens sweep every completion is forced to the "
+               "cap (EOS suppressed until then), so it shows cost against length; the other "
+               "sweeps keep the model's natural lengths.", "",
                "| sweep | P | G | max new tokens | completions | tokens | decode steps | step, s "
                "| tokens/s |", "|---" * 9 + "|"]
         md += [f"| {r['sweep']} | {r['prompts_per_step']} | {r['group_size']} | "

@@ -160,6 +160,12 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
                                                      trust_remote_code=args.trust_remote_code)
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
         raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
+    with torch.no_grad():  # the log-prob pass reads logits as lm_head(last hidden state): a model that
+        x = torch.arange(3)[None]  # rescales or soft-caps them after that (Gemma 2, Cohere) must say so
+        direct = model.get_output_embeddings()(model.base_model(input_ids=x).last_hidden_state)
+        if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
+            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. soft-capping "
+                            "or a logit scale), which this script's chunked log-prob pass does not reproduce")
     own = model.generation_config
     model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id,
                                                bos_token_id=own.bos_token_id)
@@ -272,6 +278,26 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
                 mask=mask, truncated=truncated, texts=texts, prompts=[p for p in prompts for _ in range(G)])
 
 
+def model_inputs(batch, rows):
+    """Prompt + completion tokens of `rows` for one forward pass, trimmed to the columns these rows
+    use (prompts are left-padded, completions right-padded), so a micro-batch of short completions
+    is not padded to the batch's longest. Position ids follow the left padding, as in generate.
+    Returns input_ids, attention_mask, position_ids [b, Tp' + T'] and T', the completion width."""
+    prompt_mask, mask = batch["prompt_mask"][rows], batch["mask"][rows]
+    start = prompt_mask.shape[1] - int(prompt_mask.sum(1).max())  # first prompt column any row uses
+    T = int(mask.sum(1).max())  # the mask is 1 up to each row's EOS, then 0
+    input_ids = torch.cat([batch["prompt_ids"][rows, start:], batch["completion_ids"][rows, :T]], 1)
+    attention_mask = torch.cat([prompt_mask[:, start:], mask[:, :T]], 1)
+    return input_ids, attention_mask, (attention_mask.cumsum(1) - 1).clamp(min=0), T
+
+
+def micro_batches(batch, rows, size: int):
+    """`rows` split into micro-batches of at most `size` completions of similar length, so each
+    is padded only to its own longest. The loss of a mini-batch is a sum over its micro-batches,
+    so how they are grouped does not change the gradient."""
+    return rows[batch["mask"][rows].sum(1).argsort(stable=True)].split(size)
+
+
 def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
     """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
     extra(logits, ids) [N] (both no grad), from logits / temperature."""
@@ -292,14 +318,12 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     positions at a time and is recomputed in the backward pass, so memory holds one chunk
     of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
     Padded positions are 0 in every output."""
-    input_ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)  # [b, Tp + T]
-    attention_mask = torch.cat([batch["prompt_mask"][rows], batch["mask"][rows]], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    ids, valid = batch["completion_ids"][rows], batch["mask"][rows].bool()  # [b, T]
+    input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
+    ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                   position_ids=position_ids, use_cache=False).last_hidden_state
-    h = hidden[:, -ids.shape[1] - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
         args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature, with_entropy, extra)
@@ -311,7 +335,8 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
         if outs and outs[0][k] is None:
             return None
         flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-        return torch.zeros(valid.shape, dtype=flat.dtype, device=valid.device).masked_scatter(valid, flat)
+        full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
+        return torch.zeros(full.shape, dtype=flat.dtype, device=full.device).masked_scatter(full, flat)
     return scatter(0), scatter(1), scatter(2)
 
 
@@ -322,10 +347,10 @@ def batch_logps(model, batch: dict, args, extra=None):
     if len(batch["mask"]) == 0:  # DAPO can keep no group at all
         zero = batch["mask"].float()
         return zero, zero, zero if extra is not None else None
-    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra)
-             for mb in torch.arange(len(batch["mask"]), device=batch["mask"].device).split(args.micro_batch_size)]
-    return tuple(torch.cat([p[k] for p in parts]) if parts and parts[0][k] is not None else None
-                 for k in range(3))
+    mbs = micro_batches(batch, torch.arange(len(batch["mask"]), device=batch["mask"].device), args.micro_batch_size)
+    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
+    order = torch.cat(mbs).argsort()  # back to the batch's row order
+    return tuple(torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None for k in range(3))
 
 
 # =====================================================================================
@@ -498,7 +523,7 @@ def train(args: Args) -> dict:
             for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for mb in mini.split(args.micro_batch_size):
+                for mb in micro_batches(batch, mini, args.micro_batch_size):
                     logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, with_entropy=False)  # [b, T]
                     ref_mb = ref_logp[mb] if ref_logp is not None else None
                     loss = grpo_loss(logp, old_logp[mb], ref_mb, advantages[mb], batch["mask"][mb],

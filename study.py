@@ -432,8 +432,20 @@ def aggregate(runs: dict, configs: list[str], threshold: float | None) -> dict:
             "greedy": [f["eval/greedy_acc"] for f in finals],
             "reach_steps": [r[0] if r else None for r in reach],
             "reach_seconds": [r[1] if r else None for r in reach],
+            "mask_frac": [run_mean(runs[config, s], "mask_frac") for s in seeds],
+            "seconds_per_step": [runs[config, s][-1]["seconds"] / max(1, runs[config, s][-1]["step"])
+                                 for s in seeds],
         }
     return stats
+
+
+def run_mean(rows: list[dict], key: str) -> float | None:
+    """Mean of `key` over a run's training steps that logged it (None if none did).
+
+    >>> run_mean([{"step": 0}, {"step": 1, "mask_frac": 0.1}, {"step": 2, "mask_frac": 0.3}], "mask_frac")
+    0.2
+    """
+    return mean_std([r[key] for r in rows if r["step"] > 0 and r.get(key) is not None])[0]
 
 
 def reached_mean(values: list) -> float | None:
@@ -611,6 +623,13 @@ def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
         per = ", ".join(f"s{seed} {v if v is not None else '-'}"
                         for seed, v in zip(s["seeds"], s["reach_steps"]))
         lines.append(f"- {c}: {per}")
+    lines += ["", "Per training step, each run's mean over its steps, then mean ± std over seeds: "
+              "`mask_frac`, the fraction of valid tokens in TEPO's KL mask (- where a script has no "
+              "mask), and wall-clock seconds per step, held-out evaluations included:", "",
+              "| config | mask_frac | seconds per step |", "|---|---|---|"]
+    for c, s in stats.items():
+        masks = [m for m in s["mask_frac"] if m is not None]
+        lines.append(f"| {c} | {_fmt_ms(masks, 4) if masks else '-'} | {_fmt_ms(s['seconds_per_step'], 2)} |")
     if missing := [c for c in configs if c not in stats]:
         lines += ["", f"No finished runs: {', '.join(missing)}."]
     if unfinished:

@@ -9,6 +9,14 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pytest-xdist workers share the cores: one that also ran a torch thread per core would
+# oversubscribe them (measured: a learning test 4.6x slower beside another one). Each worker,
+# and each script it starts as a subprocess, gets cores // workers threads.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads
+    import torch
+    torch.set_num_threads(int(_threads))
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,11 @@ def test_smoke_cli(tmp_path):
     for r in rows:
         assert int(r["completions"]) == int(r["prompts_per_step"]) * int(r["group_size"])
         assert int(r["tokens"]) <= int(r["completions"]) * int(r["max_new_tokens"])
+        if r["sweep"] == "max_new_tokens":  # forced to the cap: cost against length
+            assert r["forced_length"] == "True" and int(r["decode_steps"]) == int(r["max_new_tokens"])
+            assert int(r["tokens"]) == int(r["completions"]) * int(r["max_new_tokens"])
+        else:
+            assert r["forced_length"] == "False"
         assert int(r["timed_steps"]) == 1 and float(r["step_s"]) > 0
     try:
         import matplotlib  # noqa: F401

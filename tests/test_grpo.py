@@ -166,6 +166,55 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
         assert not torch.allclose(logp, untempered, atol=1e-3)
 
 
+def _rollout_batch(tiny_dir, n_prompts=3, G=4):
+    model, tok = _tiny_policy(tiny_dir)
+    args = grpo.resolve_args(grpo.Args(run_name="x", max_new_tokens=24))
+    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]]
+    torch.manual_seed(0)
+    batch = grpo.generate_rollouts(model, tok, prompts, G, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
+    return model, batch, args
+
+
+def _pad_batch(batch, left: int, right: int, pad_id: int) -> dict:
+    """The same rows with `left` more padding columns before the prompts, `right` after the completions."""
+    return dict(batch, prompt_ids=torch.nn.functional.pad(batch["prompt_ids"], (left, 0), value=pad_id),
+                prompt_mask=torch.nn.functional.pad(batch["prompt_mask"], (left, 0)),
+                completion_ids=torch.nn.functional.pad(batch["completion_ids"], (0, right), value=pad_id),
+                mask=torch.nn.functional.pad(batch["mask"], (0, right)))
+
+
+def test_micro_batches_cover_rows_once_in_length_order(tiny_dir):
+    _, batch, _ = _rollout_batch(tiny_dir)
+    lens = batch["mask"].sum(1)
+    assert len(set(lens.tolist())) > 1  # completions of different lengths are exercised
+    rows = torch.randperm(len(lens))[:9]
+    mbs = grpo.micro_batches(batch, rows, 4)
+    assert [len(m) for m in mbs] == [4, 4, 1]
+    assert sorted(torch.cat(mbs).tolist()) == sorted(rows.tolist())
+    assert torch.all(lens[torch.cat(mbs)].diff() >= 0)
+
+
+def test_model_inputs_trim_padding_without_changing_logps(tiny_dir):
+    """A micro-batch runs over the columns its own rows use: extra padding on either side, or a
+    different grouping into micro-batches, leaves every log-prob and entropy as it was."""
+    model, batch, args = _rollout_batch(tiny_dir)
+    padded = _pad_batch(batch, 3, 5, pad_id=0)
+    ids, attn, pos, T = grpo.model_inputs(padded, torch.arange(len(batch["mask"])))
+    assert T == int(batch["mask"].sum(1).max()) and ids.shape[1] == T + int(batch["prompt_mask"].sum(1).max())
+    short = batch["mask"].sum(1).argsort()[:2]
+    assert grpo.model_inputs(batch, short)[3] == int(batch["mask"][short].sum(1).max()) < T
+    with torch.no_grad():
+        ref = grpo.token_logps_and_entropy(model, batch, torch.arange(len(batch["mask"])), args)
+        pad = grpo.token_logps_and_entropy(model, padded, torch.arange(len(batch["mask"])), args)
+        for k in range(2):
+            assert torch.allclose(pad[k][:, :batch["mask"].shape[1]], ref[k], atol=1e-5)
+            assert torch.all(pad[k][:, batch["mask"].shape[1]:] == 0)
+        for size in (1, 5):  # batch_logps regroups rows by length and must give them back in order
+            got = grpo.batch_logps(model, batch, grpo.Args(**{**vars(args), "micro_batch_size": size}))
+            assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(got[1], ref[1], atol=1e-5)
+    assert torch.all(ref[0][batch["mask"] == 0] == 0)
+
+
 def test_eos_ids_include_both_qwen_ends(tiny_dir):
     model, tok = _tiny_policy(tiny_dir)
     ids = grpo.eos_token_ids(model, tok)

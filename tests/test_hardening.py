@@ -371,6 +371,24 @@ def test_chunked_log_probs_match_full_logits_in_value_and_gradient():
         assert all((a - b).norm() <= 1e-4 * b.norm() + 1e-7 for a, b in zip(grads, full_grads))  # fp32 noise
 
 
+def test_a_model_that_transforms_its_logits_is_refused(tmp_path):
+    """Gemma 2 soft-caps its logits after the output layer; the chunked log-prob pass reads
+    lm_head(hidden) and would train on other logits than generate samples from."""
+    import grpo
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    kw = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=8)
+    for cap, ok in ((0.5, False), (None, True)):
+        torch.manual_seed(0)
+        Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=cap, **kw)).save_pretrained(tmp_path / str(cap))
+        load = lambda: grpo.load_model(str(tmp_path / str(cap)), torch.device("cpu"), grpo.Args(), False)  # noqa: E731
+        if ok:
+            assert load() is not None
+        else:
+            with pytest.raises(common.UserError, match="transforms its logits"):
+                load()
+
+
 @pytest.mark.parametrize("agg", ["seq_mean_token_mean", "token_mean"])
 def test_padding_overflow_cannot_become_nan(agg):
     import dapo

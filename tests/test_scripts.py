@@ -99,9 +99,11 @@ def test_local_dataset_file_trains(tmp_path):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_short_seeded_run_learns(name, tmp_path):
     """A short seeded run raises held-out sampled accuracy (256 problems, the same ones whatever
-    the seed) by a margin. GRPO runs 80 steps: at 40 it had gained only +0.047 (0.250 -> 0.297)
-    on this subset, at 80 +0.180 (-> 0.430); DAPO and TEPO clear the margin in 40."""
-    steps = {"grpo": 80}.get(name, 40)
+    the seed) by a margin. Measured with these flags (a change of float summation order, such as
+    regrouping micro-batches, changes the sampled trajectory, so these move with the code): GRPO
+    0.250 -> 0.297 (step 40) -> 0.391 (step 80); DAPO 0.250 -> 0.352 (step 40); TEPO 0.250 ->
+    0.324 (step 40, too close to the margin) -> 0.398 (step 80), so it runs 80 steps like GRPO."""
+    steps = {"grpo": 80, "tepo": 80}.get(name, 40)
     mod = importlib.import_module(name)
     mod.main(["--steps", str(steps), "--seed", "1", "--eval-every", "40", "--save-every", "1000",
               "--sample-every", "1000", "--tensorboard", "false", "--output-dir", str(tmp_path), "--run-name", "learn"])
@@ -215,4 +217,8 @@ def test_micro_batch_size_does_not_change_the_update(name, tmp_path):
     w6 = load_file(str(common.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
     w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
     assert any(not torch.equal(w0[k], w16[k]) for k in w0)  # the step did update the model
-    assert all(torch.allclose(w16[k], w6[k], atol=1e-6) for k in w16)
+    # Float noise only: Adam's first step is about lr x sign(g), so an element whose gradient is
+    # near Adam's eps moves a little differently when the summation order changes (measured: at
+    # most 1.3e-6 against updates of 5e-5). Weighting the micro-batches wrongly (e.g. by their own
+    # sizes, 6, 6, 4) flips many signs: differences of ~2 x lr, far above this bound.
+    assert all((w16[k] - w6[k]).abs().max() <= 1e-6 + 0.05 * (w16[k] - w0[k]).abs().max() for k in w16)

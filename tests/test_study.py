@@ -302,6 +302,9 @@ def test_threshold_and_aggregate():
     # seed 1 tops out at 0.5 < 0.54: never reached
     assert g["reach_steps"] == [None, 100, 110] and g["reach_seconds"] == [None, 300.0, 330.0]
     assert g["sampled"] == [0.5, 0.6, 0.7] and g["start"] == [0.2] * 3 and g["steps"] == 150
+    assert g["mask_frac"] == [None] * 3 and g["seconds_per_step"] == [3.0] * 3
+    masked = [{**r, "mask_frac": 0.1 * (r["step"] % 3)} if r["step"] else r for r in _rows(None, steps=6)]
+    assert study.aggregate({("tepo", 1): masked}, ["tepo"], thr)["tepo"]["mask_frac"][0] == pytest.approx(0.1)
     assert stats["tepo"]["reach_steps"] == [None]
     assert study.threshold_of({("tepo", 1): _rows(10)}, 0.9) is None
 
@@ -367,6 +370,7 @@ def test_summary_and_csv_from_disk(tmp_path, capsys):
     assert "| grpo | 3 | 150 | 0.600 ± 0.000 | 0.700 ± 0.000 | 100 ± 10 (3/3 reached)" in summary
     assert "before training (step 0, the same model for every config): 0.200 ± 0.000" in summary
     assert "- tepo: s1 40, s2 50, s3 60" in summary
+    assert "| grpo | - | 3.00 ± 0.00 |" in summary  # 450 s over 150 steps; GRPO has no mask
     assert "In steps: **confirmed**" in summary and "In seconds: **confirmed**" in summary
     assert "Unfinished, left out: tepo-observed-s1" in summary
     assert "No finished runs: tepo-observed" in summary
