@@ -493,12 +493,10 @@ def step_sapo(s: Setup, clock: Clock) -> dict:
                                   **mod.value_stats(values, seg["old_values"][mb],
                                                     seg["returns"][mb], sm, args.value_clip)})
                 stats.append(_optimizer_step(s, loss_sum))
-                common.optimizer_step(s.critic_optimizer, s.critic_scheduler, s.critic_params,
-                                      args.max_grad_norm, value_loss_sum)
+                stats.append(mod.critic_step(s.critic_optimizer, s.critic_scheduler, s.critic_params, args,
+                                             value_loss_sum))
                 n_opt += 1
-    metrics = {**mod.rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),
-               **mod.rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"],
-                                   seg_mask, batch["mask"], old_logp, ref_logp)}
+    metrics = mod.sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp)
     return _work([batch], n_opt, {**metrics, **common.reduce_stats(stats)})
 
 

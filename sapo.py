@@ -879,6 +879,22 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
             "truncated_frac": batch["truncated"].float().mean().item()}
 
 
+def critic_step(optimizer, scheduler, params, args, value_loss_sum: float) -> dict:  # SAPO
+    """common.optimizer_step for the critic, with its statistics named for it: value_loss,
+    value_grad_norm, and skipped_updates (reduce_stats sums it with the policy's, so it counts
+    the skipped steps of both optimizers)."""
+    c = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, value_loss_sum)
+    return {"value_loss": value_loss_sum, "value_grad_norm": c["grad_norm"], "skipped_updates": c["skipped_updates"]}
+
+
+def sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp) -> dict:  # SAPO
+    """rollout_metrics with the whole batch as one group (G = 1, so zero_std_frac is 1 when every
+    completion got the same reward: nothing to learn), plus SAPO's rollout_stats."""
+    return {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),
+            **rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"], seg["seg_mask"],
+                            batch["mask"], old_logp, ref_logp)}
+
+
 @torch.no_grad()
 def rollout_stats(raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=None, ref_logp=None) -> dict:
     """SAPO, per rollout batch: segments per completion, mean segment length (tokens), the token
@@ -1040,17 +1056,11 @@ def train(args: Args) -> dict:
                                                args.clip_high), **value_stats(values, old_v, R, sm, args.value_clip)})
                 stats.append({"loss": loss_sum,
                               **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
-                c = common.optimizer_step(critic_optimizer, critic_scheduler, critic_params, args.max_grad_norm,
-                                          value_loss_sum)  # SAPO: skipped_updates then counts both optimizers
-                stats.append({"value_loss": value_loss_sum, "value_grad_norm": c["grad_norm"],
-                              "skipped_updates": c["skipped_updates"]})
+                stats.append(critic_step(critic_optimizer, critic_scheduler, critic_params, args, value_loss_sum))
         t_train = time.time() - t0 - t_gen
 
-        # 6. Metrics, samples, held-out evaluation, checkpoint. SAPO: rollout_metrics sees the batch as one
-        #    group, so zero_std_frac is 1 when every completion got the same reward (nothing to learn)
-        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),  # SAPO
-                   **rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"], seg_mask,
-                                   batch["mask"], old_logp, ref_logp),  # SAPO
+        # 6. Metrics, samples, held-out evaluation, checkpoint
+        metrics = {**sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp),  # SAPO
                    **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
                    "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
                    "time/generate": t_gen, "time/train": t_train,
