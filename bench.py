@@ -5,6 +5,7 @@
     python bench.py --steps 20 --threads 4 # more timed steps, more torch threads
     python bench.py --device cuda          # the same tiny preset on a GPU
     python bench.py --estimate-only        # the real run's throughput, estimated (no GPU needed)
+    python bench.py --scripts tepo --no-trl --no-curves --profile-steps 3   # where tepo's step goes
 
 A step here is what each script's train() does for one rollout batch, on its tiny preset (the
 bundled ~0.8M-parameter model, 16 prompts x 8 completions, 40 new tokens, 2 optimizer steps per
@@ -23,6 +24,12 @@ Held-out evaluation, sample printing and checkpoints are not part of a step here
 wall time of the whole step, so it can exceed the sum of the phases a little (metrics, DAPO's
 group filtering). tokens/s counts every sampled completion token up to its EOS, divided by the
 step time (the scripts' `tokens_per_s`, except that DAPO's dropped groups count too).
+
+Then the first script's step runs under torch.profiler (--profile-steps), split by kind of op:
+matrix multiplies (with their GFLOP and GFLOP/s, next to this machine's 2048^3 matrix multiply
+peak), attention, other ops (elementwise, copies, sampling; the largest are listed) and what the
+ops leave of the wall time (Python; on CUDA also the kernel launches the GPU waits for). It shows
+whether a step is bound by arithmetic or by overhead, so what kind of change could speed it up.
 
 Then, when TRL is installed, TRL's GRPOTrainer does exactly grpo.py's work (same model folder,
 prompts, G, length cap, sampling settings, reward function, reference model with beta 0.04,
@@ -89,6 +96,8 @@ class Args:
     curve_group_sizes: str = arg("2,4,8,16", "comma list of G for the curves")
     curve_prompts: str = arg("4,8,16,32", "comma list of prompts per step for the curves")
     curve_steps: int = arg(3, "timed steps per curve point (after one warm-up step)")
+    profile_steps: int = arg(2, "steps of the first script run under torch.profiler to split a step "
+                             "into matrix multiplies, attention, other ops and Python (0 skips)")
     estimate_only: bool = arg(False, "only print the real run's estimated throughput, and exit")
 
 
@@ -129,6 +138,7 @@ def check(args: Args) -> None:
         f"--warmup must be >= 0, not {args.warmup}": args.warmup >= 0,
         f"--threads must be at least 1, not {args.threads}": args.threads >= 1,
         f"--curve-steps must be at least 1, not {args.curve_steps}": args.curve_steps >= 1,
+        f"--profile-steps must be >= 0, not {args.profile_steps}": args.profile_steps >= 0,
         f"--trl-steps must be at least 1, not {args.trl_steps}":
             args.trl_steps is None or args.trl_steps >= 1,
         f"--curve-script must be one of {', '.join(SCRIPTS)}": args.curve_script in SCRIPTS,
@@ -575,6 +585,91 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 # =====================================================================================
+# Where a step's time goes: torch.profiler, by kind of op
+# =====================================================================================
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+OP_KINDS = ("matrix multiply", "attention", "other ops")
+
+
+def op_kind(name: str) -> str:
+    """The kind of work a profiler op does.
+
+    >>> [op_kind(n) for n in ("aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ...                      "aten::mul", "aten::linear")]
+    ['matrix multiply', 'attention', 'other ops', 'other ops']
+    """
+    if name in MATMUL_OPS:
+        return "matrix multiply"
+    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
+        return "attention"
+    return "other ops"  # aten::linear / matmul only dispatch to mm: their self time is overhead
+
+
+def op_breakdown(events, wall_s: float, steps: int, cuda: bool) -> list[dict]:
+    """Seconds, share of the step and GFLOP of each kind of op, per step, from the profiler's
+    key_averages(): each op's self time (on CUDA its kernels' time), so nothing is counted twice.
+    What the ops do not account for is the Python around them (on CUDA: the GPU waiting for the
+    CPU to launch the next kernel)."""
+    secs, flops = dict.fromkeys(OP_KINDS, 0.0), dict.fromkeys(OP_KINDS, 0.0)
+    for e in events:
+        k = op_kind(e.key)
+        secs[k] += (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / steps
+        flops[k] += (e.flops or 0) / 1e9 / steps
+    step = wall_s / steps
+    secs["Python and launches" if cuda else "Python"] = max(step - sum(secs.values()), 0.0)
+    return [{"kind": k, "s": v, "share": v / step, "gflop": flops.get(k, 0.0),
+             "gflop_per_s": flops[k] / v if k == "matrix multiply" and v > 0 else None}
+            for k, v in secs.items()]
+
+
+def top_other_ops(events, steps: int, cuda: bool, k: int = 6) -> str:
+    """The k "other ops" with the most self time per step, as 'name s' pairs."""
+    others = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / steps)
+              for e in events if op_kind(e.key) == "other ops"]
+    return ", ".join(f"{n} {fmt_s(s)} s" for n, s in sorted(others, key=lambda x: -x[1])[:k])
+
+
+def matmul_peak(device: torch.device, n: int = 2048, reps: int = 10) -> float:
+    """GFLOP/s of an n x n x n matrix multiply on this device (fp32 on CPU, bf16 on CUDA), the
+    best of `reps` (a peak: noise only slows it): the ceiling the step's matrix multiplies can
+    approach."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    clock, best = Clock(device), float("inf")
+    a @ b
+    for _ in range(reps):
+        t0 = clock.now()
+        a @ b
+        best = min(best, clock.now() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def profile_script(s: Setup, steps: int) -> str:
+    """One untimed step, then `steps` under torch.profiler; a markdown table by kind of op."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = s.device.type == "cuda"
+    timed_step(s)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_flops=True) as prof:
+        wall = sum(timed_step(s)["step"] for _ in range(steps))
+    events = prof.key_averages()
+    rows = op_breakdown(events, wall, steps, cuda)
+    lines = [f"{s.name}.py, {steps} step(s) under torch.profiler (which slows them: read the "
+             "shares, not the seconds); self time of each op, per step:", "",
+             "| kind | s per step | share | GFLOP per step | GFLOP/s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | "
+              f"{r['gflop']:.1f} | {r['gflop_per_s']:.0f} |" if r["gflop_per_s"] else
+              f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | - | - |" for r in rows]
+    peak, mm = matmul_peak(s.device), rows[0]["gflop_per_s"] or 0.0
+    lines += ["", f"Largest other ops, s per step: {top_other_ops(events, steps, cuda)}.", "",
+              f"A 2048^3 matrix multiply ({'bf16' if cuda else 'fp32'}) runs at {peak:.0f} GFLOP/s "
+              f"here; the step's matrix multiplies ran at {mm / peak:.0%} of that. When matrix "
+              "multiplies near that rate and elementwise ops fill the step, with little left to "
+              "Python, a step gets faster only with fewer FLOPs or fewer passes over memory."]
+    return "\n".join(lines)
+
+
+# =====================================================================================
 # The project against TRL's GRPOTrainer, interleaved
 # =====================================================================================
 def trl_version() -> str | None:
@@ -1012,6 +1107,14 @@ def run(args: Args) -> dict:
            f"steps after {args.warmup} warm-up; seconds per phase (median) and per step.", "",
            table, ""]
     write_csv(out / "bench_steps.csv", step_rows)
+    if args.profile_steps:
+        name = next(iter(results))
+        print(f"{name}.py under torch.profiler: {args.profile_steps} step(s)", flush=True)
+        breakdown = profile_script(setup(name, args.device, args.seed, prompts_per_step=args.prompts_per_step,
+                                         group_size=args.group_size, max_new_tokens=args.max_new_tokens),
+                                   args.profile_steps)
+        print("\n" + breakdown + "\n")
+        md += ["## Where a step's time goes", "", breakdown, ""]
 
     # 2. TRL's GRPOTrainer on grpo.py's work, interleaved with it
     if not args.no_trl:

@@ -35,7 +35,7 @@ def test_smoke_cli(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench.py"), "--steps", "1", "--warmup", "0", "--no-trl",
            "--scripts", "grpo", "--prompts-per-step", "4", "--group-size", "2",
            "--max-new-tokens", "16", "--curve-max-new-tokens", "8,16", "--curve-group-sizes", "2",
-           "--curve-prompts", "2", "--curve-steps", "1", "--out", str(out)]
+           "--curve-prompts", "2", "--curve-steps", "1", "--profile-steps", "1", "--out", str(out)]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
@@ -46,6 +46,13 @@ def test_smoke_cli(tmp_path):
     md = (out / "bench.md").read_text()
     assert "| grpo | 4 x 2 | 8 |" in md and f"torch {torch.__version__}" in md
     assert "2 torch threads" in md and "ESTIMATE, NOT MEASURED ON A GPU" in md
+
+    # where the time goes: the four kinds of work, their shares, the machine's matmul peak
+    assert "## Where a step's time goes" in md and "| matrix multiply |" in p.stdout
+    shares = [int(line.split("|")[3].strip().rstrip("%")) for line in md.splitlines()
+              if line.startswith(("| matrix multiply |", "| attention |", "| other ops |", "| Python |"))]
+    assert len(shares) == 4 and 97 <= sum(shares) <= 103  # rounded percentages of one step
+    assert "A 2048^3 matrix multiply (fp32) runs at" in md
 
     # every timed step: the work of grpo.py's step (P*G completions, 2 optimizer steps)
     steps = _csv(out / "bench_steps.csv")
@@ -87,6 +94,7 @@ def test_estimate_only_and_bad_flags(capsys):
                           (["--scripts", "grpo,grpo"], "distinct"),
                           (["--curve-group-sizes", "2,x"], "comma list of integers"),
                           (["--curve-prompts", "0"], "integers >= 1"),
+                          (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
                           (["--device", "tpu"], "unknown --device")):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
@@ -134,6 +142,30 @@ def test_step_matches_train(name, tmp_path):
 # =====================================================================================
 # Pieces, on hand-made inputs
 # =====================================================================================
+def test_op_breakdown_by_kind_with_hand_values():
+    """Self times (microseconds) and FLOPs over 2 steps of 1 s each: per step, by kind; what the
+    ops leave of the step is Python; GFLOP/s only for matrix multiplies."""
+    ev = [NS(key="aten::mm", self_cpu_time_total=400_000, flops=60e9, self_device_time_total=0),
+          NS(key="aten::addmm", self_cpu_time_total=200_000, flops=20e9, self_device_time_total=0),
+          NS(key="aten::_scaled_dot_product_flash_attention_for_cpu", self_cpu_time_total=200_000,
+             flops=0, self_device_time_total=0),
+          NS(key="aten::mul", self_cpu_time_total=600_000, flops=1e9, self_device_time_total=0),
+          NS(key="aten::linear", self_cpu_time_total=100_000, flops=None, self_device_time_total=0)]
+    rows = {r["kind"]: r for r in bench.op_breakdown(ev, wall_s=2.0, steps=2, cuda=False)}
+    assert list(rows) == ["matrix multiply", "attention", "other ops", "Python"]
+    assert rows["matrix multiply"]["s"] == pytest.approx(0.3) and rows["matrix multiply"]["gflop"] == pytest.approx(40)
+    assert rows["matrix multiply"]["gflop_per_s"] == pytest.approx(40 / 0.3)
+    assert rows["attention"]["s"] == pytest.approx(0.1) and rows["attention"]["gflop_per_s"] is None
+    assert rows["other ops"]["s"] == pytest.approx(0.35) and rows["other ops"]["gflop_per_s"] is None
+    assert rows["Python"]["s"] == pytest.approx(0.25) and rows["Python"]["share"] == pytest.approx(0.25)
+    assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
+    # on CUDA the kernels' time counts, and the rest is Python and kernel launches
+    cuda = [NS(key="aten::mm", self_cpu_time_total=10, flops=8e9, self_device_time_total=500_000)]
+    rows = {r["kind"]: r for r in bench.op_breakdown(cuda, wall_s=1.0, steps=1, cuda=True)}
+    assert rows["matrix multiply"]["s"] == pytest.approx(0.5) and rows["Python and launches"]["s"] == pytest.approx(0.5)
+    assert "aten::mul 0.300 s" in bench.top_other_ops(ev, steps=2, cuda=False, k=1)
+
+
 def test_clock_adds_up_per_phase():
     clock = bench.Clock(torch.device("cpu"))
     for _ in range(2):
