@@ -62,7 +62,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -70,8 +70,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common import (TEMPLATES, TINY_MODEL_DIR, UserError, build_prompt, git_commit, grade,
-                    is_tiny, load_problems, resolve_device, resolve_model_name, seed_everything)
+import common
+from common import (TINY_MODEL_DIR, UserError, arg, check_model_folder, first_line, git_commit, is_tiny,
+                    resolve_device, resolve_model_name, seed_everything)
+from grpo import completion_mask, decode_completions, eos_token_ids  # the training scripts' own helpers
+from tasks import TEMPLATES, build_prompt, grade, load_problems
 
 
 # =====================================================================================
@@ -100,59 +103,36 @@ SUBSET_SEED = 0  # --limit picks the same problems whatever --seed is, so runs s
 
 @dataclass
 class Args:
-    model: str = field(default="tiny", metadata={"help": "'tiny' (the bundled model), a checkpoint "
-                       "folder such as runs/<run>/checkpoint-N, a hub id, or a short Qwen name "
-                       "such as Qwen2.5-Math-1.5B"})
-    benchmarks: str | None = field(default=None, metadata={
-        "help": f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet file, or a hub "
-        "dataset id (org/name). Default: tiny for the tiny model, else math500"})
-    split: str = field(default="test", metadata={"help": "split of a hub dataset id given in "
-                       "--benchmarks (the named benchmarks know their own)"})
-    problem_column: str | None = field(default=None, metadata={
-        "help": "problem column of a file or hub dataset id in --benchmarks; unset means "
-        "'problem'"})
-    answer_column: str | None = field(default=None, metadata={
-        "help": "gold-answer column of a file or hub dataset id in --benchmarks; unset means "
-        "'answer'"})
-    limit: int | None = field(default=None, metadata={
-        "help": "evaluate a fixed random subset of this many problems per benchmark "
-        "(default: all)"})
-    template: str | None = field(default=None, metadata={
-        "help": f"prompt template, one of {', '.join(TEMPLATES)} (default: tiny for the tiny "
-        "model, else qwen_math)"})
-    n: int = field(default=1, metadata={
-        "help": "samples per problem (needs --temperature > 0 when > 1)"})
-    temperature: float = field(default=0.0, metadata={
-        "help": "0 = greedy decoding; > 0 = sampling"})
-    top_p: float = field(default=1.0, metadata={
-        "help": "nucleus sampling threshold (sampling only)"})
-    pass_k: str = field(default="1,2,4,8,16,32,64,128,256", metadata={
-        "help": "k values for pass@k; only those <= --n are reported"})
-    answer_extraction: str = field(default="boxed", metadata={
-        "choices": ["boxed", "math_verify"], "help": "which answer is graded: boxed = the last "
-        "\\boxed{} of the completion; math_verify = math-verify's own extraction of the final "
-        "answer from the whole text (for models that answer 'The answer is: 42' or '#### 42')"})
-    max_new_tokens: int | None = field(default=None, metadata={
-        "help": "generation budget per sample (default: 48 for the tiny model, else 3000)"})
-    batch_size: int = field(default=64, metadata={"help": "prompts per generate() call"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    dtype: str = field(default="auto", metadata={
-        "help": "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32"})
-    seed: int = field(default=0, metadata={
-        "help": "seed for sampling (reset before each benchmark)"})
-    trust_remote_code: bool = field(default=False, metadata={
-        "help": "allow model code from the hub"})
-    output_dir: str | None = field(default=None, metadata={
-        "help": "where results go (default: runs/eval/<model-name>/)"})
-    resume: bool = field(default=False, metadata={
-        "help": "keep samples already in the JSONL of an earlier run with the same decoding tag "
-        "and generate only the rest; refused if that run used another --model, --template, "
-        "--max-new-tokens, --temperature, --top-p, --n or --answer-extraction"})
-
-
-def first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    model: str = arg("tiny", "'tiny' (the bundled model), a checkpoint folder such as runs/<run>/checkpoint-N, "
+                     "a hub id, or a short Qwen name such as Qwen2.5-Math-1.5B")
+    benchmarks: str | None = arg(None, f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet file, or a "
+                                 "hub dataset id (org/name). Default: tiny for the tiny model, else math500")
+    split: str = arg("test", "split of a hub dataset id given in --benchmarks (the named benchmarks know their own)")
+    problem_column: str | None = arg(None, "problem column of a file or hub dataset id in --benchmarks; unset "
+                                     "means 'problem'")
+    answer_column: str | None = arg(None, "gold-answer column of a file or hub dataset id in --benchmarks; unset "
+                                    "means 'answer'")
+    limit: int | None = arg(None, "evaluate a fixed random subset of this many problems per benchmark (default: all)")
+    template: str | None = arg(None, f"prompt template, one of {', '.join(TEMPLATES)} (default: tiny for the tiny "
+                               "model, else qwen_math)")
+    n: int = arg(1, "samples per problem (needs --temperature > 0 when > 1)")
+    temperature: float = arg(0.0, "0 = greedy decoding; > 0 = sampling")
+    top_p: float = arg(1.0, "nucleus sampling threshold (sampling only)")
+    pass_k: str = arg("1,2,4,8,16,32,64,128,256", "k values for pass@k; only those <= --n are reported")
+    answer_extraction: str = arg("boxed", "which answer is graded: boxed = the last \\boxed{} of the completion; "
+                                 "math_verify = math-verify's own extraction of the final answer from the whole "
+                                 "text (for models that answer 'The answer is: 42' or '#### 42')",
+                                 choices=list(common.ANSWER_EXTRACTIONS))
+    max_new_tokens: int | None = arg(None, "generation budget per sample (default: 48 for the tiny model, else 3000)")
+    batch_size: int = arg(64, "prompts per generate() call")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = arg("auto", "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32")
+    seed: int = arg(0, "seed for sampling (reset before each benchmark)")
+    trust_remote_code: bool = arg(False, "allow model code from the hub")
+    output_dir: str | None = arg(None, "where results go (default: runs/eval/<model-name>/)")
+    resume: bool = arg(False, "keep samples already in the JSONL of an earlier run with the same decoding tag and "
+                       "generate only the rest; refused if that run used another --model, --template, "
+                       "--max-new-tokens, --temperature, --top-p, --n or --answer-extraction")
 
 
 def clean_gold(value, benchmark: str) -> str:
@@ -184,7 +164,7 @@ def file_label(path: Path) -> str:
 def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
     """(label used in file names, where it came from, [{'problem', 'answer'}])."""
     if name == "tiny":  # the held-out split of the tiny task, always the same problems
-        return "tiny", "common.tiny_task('test')", load_problems("tiny", "test", limit=args.limit)
+        return "tiny", "tasks.tiny_task('test')", load_problems("tiny", "test", limit=args.limit)
     import datasets  # heavy, so only imported once a hub or file data set is asked for
 
     datasets.disable_progress_bars()  # benchmarks are small; the bars would only clutter stderr
@@ -264,17 +244,12 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
 
 
 def stop_token_ids(tok, model) -> list[int]:
-    """Every id that ends a completion: Qwen2.5-Math ends text with <|endoftext|> and chat turns
-    with <|im_end|>, and a base model may emit either."""
-    ids = {tok.eos_token_id}
-    gen_eos = model.generation_config.eos_token_id
-    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-    if "<|im_end|>" in tok.get_vocab():
-        ids.add(tok.convert_tokens_to_ids("<|im_end|>"))
-    ids.discard(None)
+    """Every id that ends a completion, as the training scripts stop on them (grpo.eos_token_ids):
+    Qwen2.5-Math ends text with <|endoftext|> and chat turns with <|im_end|>, and may emit either."""
+    ids = eos_token_ids(model, tok)
     if not ids:
         raise UserError("the model's tokenizer and generation config name no EOS token")
-    return sorted(ids)
+    return ids
 
 
 @torch.inference_mode()
@@ -283,13 +258,11 @@ def generate(model, tok, prompt_ids: list[list[int]], stop_ids: list[int]):
     decoded with model.generation_config (which evaluate() sets)."""
     enc = tok.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(model.device)
     out = model.generate(**enc, generation_config=model.generation_config)
-    stop, results = set(stop_ids), []
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        # Cut at the first EOS by position: after it come pad ids, which may equal EOS.
-        end = next((j for j, t in enumerate(row) if t in stop), None)
-        n_tok = len(row) if end is None else end + 1
-        results.append((tok.decode(row[:n_tok], skip_special_tokens=True), n_tok, end is None))
-    return results
+    ids = out[:, enc["input_ids"].shape[1]:]  # [b, T]
+    # Cut at the first EOS by position: after it come pad ids, which may equal EOS.
+    mask = completion_mask(ids, stop_ids)  # [b, T]
+    truncated = ~torch.isin(ids, torch.tensor(stop_ids, device=ids.device)).any(1)  # no EOS in budget
+    return list(zip(decode_completions(tok, ids, mask), mask.sum(1).tolist(), truncated.tolist()))
 
 
 # =====================================================================================
@@ -491,6 +464,7 @@ def model_id(model_path: str) -> str:
 
 def evaluate(args: Args) -> list[dict]:
     model_path = resolve_model_name(args.model)
+    check_model_folder(model_path)  # a config and tokenizer files, before any benchmark loads
     tiny = is_tiny(model_path)
     names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",")
              if b.strip()]
@@ -592,10 +566,8 @@ def evaluate(args: Args) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
-    return args
+    """The command line; an unknown flag prints the usage line and one error line, exit 2."""
+    return common.parse_args(Args, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenCla
                           GenerationConfig)
 
 import common
+import harness
+import tasks
 from common import UserError, arg
 
 ALGO = "sapo"
@@ -168,8 +170,9 @@ class Args:
     sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
     grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
     tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
-    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place; its saved "
-                             "arguments are used (only --steps and --device may change)")
+    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place, with its saved "
+                             "arguments (only --steps, --device, --save-every, --keep-checkpoints, "
+                             "--sample-every and --tensorboard may change)")
 
 
 # The two presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
@@ -218,8 +221,7 @@ def resolve_args(args: Args) -> Args:
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
     path = common.resolve_model_name(name)
-    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
-        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model folder?")
+    common.check_model_folder(path)  # a config and tokenizer files, or one line saying what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -318,9 +320,9 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
     --problem-column / --answer-column apply to the training set only."""
     cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = common.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
+    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
     for r in rows:
-        r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
+        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
     lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
@@ -354,10 +356,12 @@ def load_data(args, tokenizer, ctx: int):
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
     never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [B, T]
     T = completion_ids.shape[1]
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()
+    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # a row without EOS is valid to its end
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: argmax finds the first 1
+    positions = torch.arange(T, device=completion_ids.device)[None, :]  # [1, T]
+    return (positions <= first_eos[:, None]).long()
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -464,7 +468,10 @@ def batch_logps(model, batch: dict, args, extra=None):
     mbs = micro_batches(batch, torch.arange(len(batch["mask"]), device=batch["mask"].device), args.micro_batch_size)
     parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
     order = torch.cat(mbs).argsort()  # back to the batch's row order
-    return tuple(torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None for k in range(3))
+
+    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
+        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+    return joined(0), joined(1), joined(2)
 
 
 def token_values(critic, batch, rows, args):  # SAPO
@@ -617,7 +624,7 @@ def reward_fn(texts: list[str], answers: list[str], args):
     answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
     math_verify: math-verify finds it in free text instead); it is compared with math-verify,
     gold first, each parse and comparison time-bounded, and model text is never executed."""
-    grades = [common.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
+    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     return correct.clone(), correct, parsed
@@ -857,7 +864,7 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             with autocast(args):
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            correct += sum(common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
+            correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
                            for t, p in zip(texts, chunk))
         out[f"eval/{name}_acc"] = correct / len(problems)
     return out
@@ -875,7 +882,8 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
             "unparsable_frac": 1 - parsed.mean().item(),
             "zero_std_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if len(rewards) else 1.0,
             "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completion_len": m.sum(1).float().mean().item(),
+            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
+            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
             "truncated_frac": batch["truncated"].float().mean().item()}
 
 
@@ -988,7 +996,7 @@ def value_stats(values, old_values, returns, seg_mask, clip=0.5) -> dict:
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = common.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
+    run = harness.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before any model loads
@@ -1001,7 +1009,7 @@ def train(args: Args) -> dict:
     critic_params = [p for p in critic.parameters() if p.requires_grad]  # SAPO: its own AdamW, at --critic-lr
     critic_args = dataclasses.replace(args, lr=args.critic_lr)  # SAPO
     critic_optimizer, critic_scheduler = common.make_optimizer(critic_params, critic_args)
-    sampler = common.PromptSampler(len(train_rows), args.seed)
+    sampler = tasks.PromptSampler(len(train_rows), args.seed)
     start = run.attach({"": policy, "critic": critic}, tokenizer,  # SAPO: + the critic (in critic/) and its AdamW
                        dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                             critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler))
@@ -1010,24 +1018,28 @@ def train(args: Args) -> dict:
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
-        t0 = time.time()
+        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
         # 1. Rollouts: P prompts, G completions each (SAPO: G = 1); row b belongs to prompt b // G
         rows = [train_rows[i] for i in sampler.take(P)]
         batch = generate_rollouts(policy, tokenizer, [r["prompt"] for r in rows], G, args, eos_ids, device)
-        t_gen = time.time() - t0
+        clock.lap("generate")
 
         # 2. Reward r_i (SAPO: the outcome, given to the completion's last segment in step 4)
         answers = [r["answer"] for r in rows for _ in range(G)]
         rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
+        clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad
         old_logp, old_entropy, _ = batch_logps(policy, batch, args)  # [B, T] each
+        clock.lap("old_logp")
         ref_logp = batch_logps(ref, batch, args)[0] if ref is not None else None  # [B, T]
+        clock.lap("ref_logp")
 
         # 4. SAPO: segments, old values V(s_m), segment rewards, GAE over segments -> A_m, R_m,
         #    A_m on every token of segment m, whitened over the rollout batch and clamped
         seg = segment_batch(critic, batch, old_logp, old_entropy, ref_logp, rewards.to(device), args)
         seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]  # SAPO
+        clock.lap("advantage")
 
         # 5. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
         #    each for the policy and (SAPO) the critic; gradients accumulate over micro-batches
@@ -1057,14 +1069,13 @@ def train(args: Args) -> dict:
                 stats.append({"loss": loss_sum,
                               **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
                 stats.append(critic_step(critic_optimizer, critic_scheduler, critic_params, args, value_loss_sum))
-        t_train = time.time() - t0 - t_gen
+        clock.lap("update")
 
         # 6. Metrics, samples, held-out evaluation, checkpoint
         metrics = {**sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp),  # SAPO
                    **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
                    "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
-                   "time/generate": t_gen, "time/train": t_train,
-                   "tokens_per_s": batch["mask"].sum().item() / (time.time() - t0)}
+                   **clock.metrics(tokens=batch["mask"].sum().item())}
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
             run.write_samples(step, tokenizer, batch, rewards, advantages, {  # SAPO: + segments, advantages, values
@@ -1078,7 +1089,7 @@ def train(args: Args) -> dict:
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
-    with common.user_errors():
+    with harness.user_errors():
         return train(args)
 
 

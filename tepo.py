@@ -57,6 +57,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
+import harness
+import tasks
 from common import UserError, arg
 
 ALGO = "tepo"
@@ -124,8 +126,9 @@ class Args:
     sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
     grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
     tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
-    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place; its saved "
-                             "arguments are used (only --steps and --device may change)")
+    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place, with its saved "
+                             "arguments (only --steps, --device, --save-every, --keep-checkpoints, "
+                             "--sample-every and --tensorboard may change)")
 
 
 # The two presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
@@ -169,8 +172,7 @@ def resolve_args(args: Args) -> Args:
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
     path = common.resolve_model_name(name)
-    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
-        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model folder?")
+    common.check_model_folder(path)  # a config and tokenizer files, or one line saying what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -238,9 +240,9 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
     --problem-column / --answer-column apply to the training set only."""
     cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = common.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
+    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
     for r in rows:
-        r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
+        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
     lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
@@ -274,10 +276,12 @@ def load_data(args, tokenizer, ctx: int):
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
     never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [B, T]
     T = completion_ids.shape[1]
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).long()
+    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # a row without EOS is valid to its end
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: argmax finds the first 1
+    positions = torch.arange(T, device=completion_ids.device)[None, :]  # [1, T]
+    return (positions <= first_eos[:, None]).long()
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -384,7 +388,10 @@ def batch_logps(model, batch: dict, args, extra=None):
     mbs = micro_batches(batch, torch.arange(len(batch["mask"]), device=batch["mask"].device), args.micro_batch_size)
     parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
     order = torch.cat(mbs).argsort()  # back to the batch's row order
-    return tuple(torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None for k in range(3))
+
+    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
+        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+    return joined(0), joined(1), joined(2)
 
 
 # =====================================================================================
@@ -395,7 +402,7 @@ def reward_fn(texts: list[str], answers: list[str], args):
     answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
     math_verify: math-verify finds it in free text instead); it is compared with math-verify,
     gold first, each parse and comparison time-bounded, and model text is never executed."""
-    grades = [common.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
+    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     return correct.clone(), correct, parsed
@@ -529,7 +536,7 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             with autocast(args):
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            correct += sum(common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
+            correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
                            for t, p in zip(texts, chunk))
         out[f"eval/{name}_acc"] = correct / len(problems)
     return out
@@ -547,7 +554,8 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
             "unparsable_frac": 1 - parsed.mean().item(),
             "zero_std_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if len(rewards) else 1.0,
             "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completion_len": m.sum(1).float().mean().item(),
+            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
+            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
             "truncated_frac": batch["truncated"].float().mean().item()}
 
 
@@ -555,7 +563,7 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = common.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
+    run = harness.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before any model loads
@@ -566,28 +574,31 @@ def train(args: Args) -> dict:
     eos_ids = eos_token_ids(policy, tokenizer)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)
-    sampler = common.PromptSampler(len(train_rows), args.seed)
+    sampler = tasks.PromptSampler(len(train_rows), args.seed)
     start = run.attach({"": policy}, tokenizer, dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler))
     if start == 0 and eval_rows:
         run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
-        t0 = time.time()
+        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
         # 1. Rollouts: P prompts, G completions each; row b belongs to prompt b // G
         rows = [train_rows[i] for i in sampler.take(P)]
         batch = generate_rollouts(policy, tokenizer, [r["prompt"] for r in rows], G, args, eos_ids, device)
-        t_gen = time.time() - t0
+        clock.lap("generate")
 
         # 2. Reward r_i, then the group-relative advantage A_i (one value per completion)
         answers = [r["answer"] for r in rows for _ in range(G)]
         rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
         advantages = group_advantages(rewards, G).to(device)  # [B]
+        clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad.
         #    TEPO: the entropy-change term c of every token comes from the same pass
         old_logp, old_entropy, c = batch_logps(policy, batch, args, extra=entropy_change_c)  # [B, T] each
+        clock.lap("old_logp")
         ref_logp, ref_entropy, _ = batch_logps(ref, batch, args) if ref is not None else (None, None, None)
+        clock.lap("ref_logp")
         kl_logp = ref_logp if args.kl_target == "ref" else old_logp  # TEPO: what the masked KL pulls to
         base_entropy = old_entropy if args.entropy_baseline == "old" else ref_entropy  # TEPO: observed test
         observed = args.entropy_test == "observed"
@@ -614,12 +625,11 @@ def train(args: Args) -> dict:
                                             old_entropy[mb], args.clip_low, args.clip_high, args.ratio_level))
                 stats.append({"loss": loss_sum,
                               **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
-        t_train = time.time() - t0 - t_gen
+        clock.lap("update")
 
         # 5. Metrics, samples, held-out evaluation, checkpoint
         metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G), **common.reduce_stats(stats),
-                   "lr": scheduler.get_last_lr()[0], "time/generate": t_gen, "time/train": t_train,
-                   "tokens_per_s": batch["mask"].sum().item() / (time.time() - t0)}
+                   "lr": scheduler.get_last_lr()[0], **clock.metrics(tokens=batch["mask"].sum().item())}
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
             shown = {"entropy": old_entropy, "c": c}  # TEPO: c, and the mask when it is known at sampling
@@ -634,7 +644,7 @@ def train(args: Args) -> dict:
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
-    with common.user_errors():
+    with harness.user_errors():
         return train(args)
 
 

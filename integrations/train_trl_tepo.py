@@ -38,7 +38,7 @@ gradient checkpointing, as tepo.py does on CUDA. Leave --beta unset: TEPO's KL c
 counting and gathering); never run on a GPU, under DeepSpeed / FSDP or with vLLM (docs/scaling.md).
 
 The reward is tepo.py's: 1 if the last \\boxed{} of the completion equals the answer
-(common.grade: math-verify, gold first, time-bounded), else 0. Prompts come from common.build_prompt
+(tasks.grade: math-verify, gold first, time-bounded), else 0. Prompts come from tasks.build_prompt
 (the tiny template for the tiny model, qwen_math otherwise); prompts longer than
 --max_prompt_tokens (default: the model's context - max_completion_length) are dropped.
 """
@@ -58,6 +58,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser  # noqa: E402
 
 import common  # noqa: E402
+import tasks  # noqa: E402
+import harness  # noqa: E402
 import tepo  # noqa: E402
 from integrations.trl_trainers import TEPOConfig, TEPOTrainer  # noqa: E402
 
@@ -99,7 +101,7 @@ REAL_DEFAULTS = dict(max_completion_length=3000, lr_scheduler_type="constant_wit
 def correctness_reward(extraction: str, timeout_s: int):
     """TRL reward function: 1.0 if the completion's final answer equals the `answer` column."""
     def correctness(completions, answer, **kwargs):
-        return [float(common.grade(c, a, timeout_s, extraction).correct)
+        return [float(tasks.grade(c, a, timeout_s, extraction).correct)
                 for c, a in zip(completions, answer)]
     return correctness
 
@@ -121,9 +123,9 @@ def parse(argv=None) -> tuple[ScriptArgs, TEPOConfig]:
 
 def load_prompts(script: ScriptArgs, tokenizer, max_prompt_tokens: int) -> Dataset:
     """{'prompt', 'answer'} rows; prompts over max_prompt_tokens are dropped and counted."""
-    rows = common.load_problems(script.dataset, "train", problem_column=script.problem_column,
+    rows = tasks.load_problems(script.dataset, "train", problem_column=script.problem_column,
                                 answer_column=script.answer_column)
-    prompts = [common.build_prompt(tokenizer, r["problem"], script.template) for r in rows]
+    prompts = [tasks.build_prompt(tokenizer, r["problem"], script.template) for r in rows]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     kept = [dict(prompt=p, answer=r["answer"]) for p, r, n in zip(prompts, rows, lengths)
             if n <= max_prompt_tokens]
@@ -161,5 +163,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with common.user_errors():
+    with harness.user_errors():
         main()

@@ -1,10 +1,9 @@
-"""bench.py: a smoke run of the command line (table, CSV, PNG), each script's benchmarked step
-against the script's own train() (same seed: the same weights after one step), TRL's timer and
+"""tools/bench.py: a smoke run of the command line (table, CSV, PNG), each script's step as the
+benchmark reads it from the script's own train() (its time/<phase> metrics), TRL's timer and
 report on hand-made inputs, the interleaved TRL comparison (when TRL is installed), and the real-run
 estimate on a toy model with hand-computed values. No timing is asserted: timings are noisy."""
 
 import csv
-import importlib
 import subprocess
 import sys
 import time
@@ -14,8 +13,8 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-import bench
-import common
+from tools import bench
+import harness
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +31,7 @@ def _csv(path):
 # =====================================================================================
 def test_smoke_cli(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--steps", "1", "--warmup", "0", "--no-trl",
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "1", "--warmup", "0", "--no-trl",
            "--scripts", "grpo", "--prompts-per-step", "4", "--group-size", "2",
            "--max-new-tokens", "16", "--curve-max-new-tokens", "8,16", "--curve-group-sizes", "2",
            "--curve-prompts", "2", "--curve-steps", "1", "--profile-steps", "1", "--out", str(out)]
@@ -103,40 +102,37 @@ def test_estimate_only_and_bad_flags(capsys):
 
 
 # =====================================================================================
-# Each script's benchmarked step is its train()'s step
+# Each script's step, as train() logs it and the benchmark reads it
 # =====================================================================================
+PHASES_OF = {"grpo": {"generate", "reward", "old_logp", "ref_logp", "update"},
+             "dapo": {"generate", "reward", "old_logp", "update"},
+             "tepo": {"generate", "reward", "old_logp", "ref_logp", "update"},
+             "erpo": {"generate", "reward", "old_logp", "ref_logp", "advantage", "update"},
+             "sapo": {"generate", "reward", "old_logp", "ref_logp", "advantage", "update"}}
+
+
 @pytest.mark.parametrize("name", [s for s in bench.SCRIPTS if bench.script_available(s)])
-def test_step_matches_train(name, tmp_path):
-    """Same seed and settings: one step of bench.py's call sequence leaves the policy with exactly
-    the weights that one step of <name>.py's train() saves (so bench times what train() does)."""
-    from safetensors.torch import load_file
-
-    mod = importlib.import_module(name)
-    mod.main(["--steps", "1", "--prompts-per-step", "4", "--group-size", "4",
-              "--max-new-tokens", "32", "--eval-dataset", "none", "--device", "cpu", "--seed", "3",
-              "--tensorboard", "false", "--output-dir", str(tmp_path), "--run-name", "r"])
-    ckpt = common.find_checkpoint(tmp_path / "r")
-    trained = load_file(str(ckpt / "model.safetensors"))
-
-    s = bench.setup(name, "cpu", 3, eval_dataset="none", prompts_per_step=4, group_size=4,
-                    max_new_tokens=32)  # long enough for right answers: a non-zero gradient
-    before = {k: v.clone() for k, v in s.policy.state_dict().items()}
-    r = bench.timed_step(s)
-    after = s.policy.state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in after), "the step did not update"
-    assert all(torch.equal(trained[k], after[k]) for k in trained), f"{name}: not train()'s step"
-    if name == "sapo":  # and the critic's weights
-        critic = load_file(str(ckpt / "critic" / "model.safetensors"))
-        assert all(torch.equal(critic[k], s.critic.state_dict()[k]) for k in critic)
-
-    # the work and the phases that ran
-    assert r["completions"] == 16 * r["rounds"] and r["rounds"] >= 1
-    assert r["optimizer_steps"] == s.args.num_mini_batches * s.args.ppo_epochs
-    assert 0 < r["tokens"] <= r["completions"] * 32
-    assert (r["ref_logp"] > 0) == (s.ref is not None) == bench.uses_ref(name, s.args)
-    assert (r["advantage"] > 0) == (name in ("erpo", "sapo"))
-    assert all(r[p] > 0 for p in ("generate", "reward", "old_logp", "update"))
+def test_the_benchmark_runs_the_scripts_own_train(name):
+    """run_script runs <name>.py's train() (no copy of its loop): the phases it times are the
+    ones that script has, they add up to at most the step, and the work is the preset's."""
+    args = bench.Args(prompts_per_step=4, group_size=4, max_new_tokens=32)
+    seen = []
+    a, rows = bench.run_script(name, args, steps=1, warmup=1, on_step=lambda step, row: seen.append(step))
+    assert seen == [1, 2] and len(rows) == 1 and a.prompts_per_step == 4  # the warm-up is not kept
+    r = rows[0]
+    assert {p for p in bench.PHASES if r[p] > 0} == PHASES_OF[name], r
     assert r["step"] >= sum(r[p] for p in bench.PHASES) > 0
+    assert r["completions"] == 16 or name == "dapo"  # DAPO: the kept groups' completions
+    assert r["optimizer_steps"] == (a.num_mini_batches * a.ppo_epochs if r["completions"] else 0)
+    assert 0 <= r["tokens"] <= r["completions"] * 32 and r["decode_steps"] <= 32
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step"], rel=1e-4)
+    assert not harness.STEP_HOOKS  # the hook is removed afterwards
+
+
+def test_a_failing_run_removes_the_hook():
+    with pytest.raises(UserError, match="--group-size must be at least 2"):
+        bench.run_script("grpo", bench.Args(group_size=1), steps=1, warmup=0)
+    assert not harness.STEP_HOOKS
 
 
 # =====================================================================================

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import common
+import tasks
+import harness
 
 
 def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
@@ -17,33 +19,33 @@ def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(text) and tok.decode(ids) == text
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
-    prompt = common.build_prompt(tok, "7+5-8", "tiny")
+    prompt = tasks.build_prompt(tok, "7+5-8", "tiny")
     assert prompt == "<|im_start|>user\n7+5-8<|im_end|>\n<|im_start|>assistant\n"
     eos = model.generation_config.eos_token_id
     assert set(eos) == {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
     tok.padding_side = "left"
-    enc = tok([common.build_prompt(tok, r["problem"], "tiny") for r in common.tiny_task("test", 32)],
+    enc = tok([tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 32)],
               return_tensors="pt", padding=True)
     out = model.generate(**enc, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert sum(common.last_boxed(t) is not None for t in texts) >= 28  # it has learned the format
+    assert sum(tasks.last_boxed(t) is not None for t in texts) >= 28  # it has learned the format
 
 
 def test_tiny_task_splits_are_disjoint_and_deterministic():
-    train, test = common.tiny_task("train"), common.tiny_task("test")
+    train, test = tasks.tiny_task("train"), tasks.tiny_task("test")
     assert len(train) == 3500 and len(test) == 500
     assert not {r["problem"] for r in train} & {r["problem"] for r in test}
-    assert common.tiny_task("test", 10, seed=3) == common.tiny_task("test", 10, seed=3)
-    ex = common.tiny_example(7, "+", 5, "-", 8)
+    assert tasks.tiny_task("test", 10, seed=3) == tasks.tiny_task("test", 10, seed=3)
+    ex = tasks.tiny_example(7, "+", 5, "-", 8)
     assert ex["solution"] == "7+5=12\n12-8=4\n\\boxed{4}" and ex["answer"] == "4"
-    assert all(common.grade(r["solution"], r["answer"]).correct for r in test)
+    assert all(tasks.grade(r["solution"], r["answer"]).correct for r in test)
 
 
 def test_prompt_sampler_resumes_exactly():
-    a = common.PromptSampler(7, seed=5)
+    a = tasks.PromptSampler(7, seed=5)
     first = a.take(10)  # crosses an epoch boundary
     assert sorted(first[:7]) == list(range(7))
-    b = common.PromptSampler(7, seed=5)
+    b = tasks.PromptSampler(7, seed=5)
     b.load_state_dict(a.state_dict())
     assert a.take(9) == b.take(9)
 
@@ -53,28 +55,28 @@ def test_prompt_sampler_resumes_exactly():
     ("\\boxed{{a}{b}}", "{a}{b}"), ("no box", None), ("\\boxed{unclosed", None), ("\\fbox{7}", "7"),
 ])
 def test_last_boxed(text, expected):
-    assert common.last_boxed(text) == expected
+    assert tasks.last_boxed(text) == expected
 
 
 def test_integer_fast_path_agrees_with_math_verify():
     for gold, pred in [("4", "4"), ("-3", "-3"), ("4", "5"), ("10", "010"), ("-0", "0")]:
-        fast = common.grade(f"\\boxed{{{pred}}}", gold).correct
-        slow, _ = common._verify_latex(gold, pred, 5)
+        fast = tasks.grade(f"\\boxed{{{pred}}}", gold).correct
+        slow, _ = tasks._verify_latex(gold, pred, 5)
         assert fast == slow, (gold, pred)
 
 
 def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
-    common.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
+    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
     # a crash while writing step 2 leaves a temporary folder behind: the run still resumes from step 1
     (tmp_path / ".tmp-checkpoint-2").mkdir()
-    assert common.find_checkpoint(tmp_path).name == "checkpoint-1"
+    assert harness.find_checkpoint(tmp_path).name == "checkpoint-1"
     for step in (2, 3):
-        common.save_checkpoint(tmp_path, step, {"": model}, tok, {"step": step, "t": torch.ones(2)}, keep=2)
+        harness.save_checkpoint(tmp_path, step, {"": model}, tok, {"step": step, "t": torch.ones(2)}, keep=2)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    ck = common.find_checkpoint(tmp_path)
-    assert ck.name == "checkpoint-3" and common.load_trainer_state(ck)["step"] == 3
+    ck = harness.find_checkpoint(tmp_path)
+    assert ck.name == "checkpoint-3" and harness.load_trainer_state(ck)["step"] == 3
     assert not list(tmp_path.glob(".tmp-checkpoint-3"))
 
 

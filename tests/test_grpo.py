@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-import common
 import grpo
+import tasks
 
 
 # ------------------------------------------------------------------ advantage
@@ -143,7 +143,7 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
     """Log-probs with left padding equal log_softmax(logits / T) of the very distribution
     generate() sampled from (its raw logits, one sequence at a time, unpadded)."""
     model, tok = _tiny_policy(tiny_dir)
-    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89")]
+    prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89")]
     torch.manual_seed(0)
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert (enc["attention_mask"] == 0).any()  # left padding is exercised
@@ -169,7 +169,7 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
 def _rollout_batch(tiny_dir, n_prompts=3, G=4):
     model, tok = _tiny_policy(tiny_dir)
     args = grpo.resolve_args(grpo.Args(run_name="x", max_new_tokens=24))
-    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]]
+    prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]]
     torch.manual_seed(0)
     batch = grpo.generate_rollouts(model, tok, prompts, G, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
     return model, batch, args
@@ -224,7 +224,7 @@ def test_eos_ids_include_both_qwen_ends(tiny_dir):
 def test_rollouts_shapes_and_grouping(tiny_dir):
     model, tok = _tiny_policy(tiny_dir)
     args = grpo.resolve_args(grpo.Args(run_name="x"))
-    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
+    prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
     torch.manual_seed(0)
     b = grpo.generate_rollouts(model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
     assert b["completion_ids"].shape[0] == 12 and len(b["texts"]) == 12

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import tasks
+import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["grpo", "dapo", "tepo"]
@@ -73,7 +75,7 @@ def test_nan_loss_skips_every_update_and_logs_strict_json(tmp_path, monkeypatch,
     assert row["skipped_updates"] == 2 and row["loss"] is None  # NaN is logged as null
     assert "update skipped" in capsys.readouterr().err
     w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    w1 = load_file(str(common.find_checkpoint(tmp_path / "nan") / "model.safetensors"))
+    w1 = load_file(str(harness.find_checkpoint(tmp_path / "nan") / "model.safetensors"))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
@@ -84,12 +86,12 @@ def test_non_finite_weights_are_never_saved(tmp_path, tiny_dir):
     run.models, run.tokenizer, run.stateful, run.dir = {"": model}, tok, {}, tmp_path
     next(model.parameters()).data[0] = float("nan")
     with pytest.raises(common.UserError, match="not finite"):
-        common.Run.save(run, 3)
+        harness.Run.save(run, 3)
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
 def test_logger_keeps_small_floats_and_writes_null_for_nan(tmp_path):
-    log = common.RunLogger(tmp_path, tensorboard=False)
+    log = harness.RunLogger(tmp_path, tensorboard=False)
     log.log(1, {"lr": 5e-7, "x": float("nan"), "y": float("inf"), "n": 3, "z": 0.123456789})
     log.close()
     row = _strict_rows(tmp_path)[0]
@@ -107,10 +109,10 @@ def test_existing_run_folder_is_refused_and_resume_writes_where_pointed(tmp_path
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == before  # untouched
     shutil.copytree(tmp_path / "b", tmp_path / "copy")
     grpo.main(["--resume", str(tmp_path / "copy"), "--steps", "3"])
-    assert common.find_checkpoint(tmp_path / "copy").name == "checkpoint-3"
-    assert common.find_checkpoint(tmp_path / "b").name == "checkpoint-2"  # the original is untouched
+    assert harness.find_checkpoint(tmp_path / "copy").name == "checkpoint-3"
+    assert harness.find_checkpoint(tmp_path / "b").name == "checkpoint-2"  # the original is untouched
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == before
-    assert [r["step"] for r in common.read_metrics(tmp_path / "copy")] == [1, 2, 3]
+    assert [r["step"] for r in harness.read_metrics(tmp_path / "copy")] == [1, 2, 3]
     # a failed resume leaves the run's arguments alone
     args_before = (tmp_path / "b" / "args.json").read_text()
     err = _error_of(grpo, capsys, ["--resume", str(tmp_path / "b"), "--steps", "3", "--device", "nope"])
@@ -126,7 +128,7 @@ def test_resume_after_a_crash_cuts_metrics_back_to_the_checkpoint(tmp_path):
     (run / "latest").write_text("checkpoint-2\n")
     (run / ".tmp-checkpoint-3").mkdir()  # and a half-written folder left behind
     grpo.main(["--resume", str(run), "--steps", "4"])
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2, 3, 4]
     assert not list(run.glob(".tmp-checkpoint-*"))
 
 
@@ -144,15 +146,15 @@ def test_only_the_newest_checkpoint_keeps_the_optimizer(tmp_path):
 def test_resave_of_a_step_never_leaves_latest_dangling(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
-    common.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
-    common.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2})
+    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
+    harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2})
     # a kill between moving the old checkpoint-2 aside and renaming the new one into place:
     (tmp_path / "checkpoint-2").rename(tmp_path / ".trash-checkpoint-2")
-    assert common.find_checkpoint(tmp_path).name == "checkpoint-1"  # latest's target is gone: the newest whole one
-    common.clean_leftovers(tmp_path)  # on resume: the old folder is put back
-    assert common.find_checkpoint(tmp_path).name == "checkpoint-2"
-    common.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 22})  # a normal re-save
-    assert common.load_trainer_state(common.find_checkpoint(tmp_path))["step"] == 22
+    assert harness.find_checkpoint(tmp_path).name == "checkpoint-1"  # latest's target is gone: the newest whole one
+    harness.clean_leftovers(tmp_path)  # on resume: the old folder is put back
+    assert harness.find_checkpoint(tmp_path).name == "checkpoint-2"
+    harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 22})  # a normal re-save
+    assert harness.load_trainer_state(harness.find_checkpoint(tmp_path))["step"] == 22
     assert not list(tmp_path.glob(".trash-*")) and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -168,8 +170,8 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 143, out[-2000:]
     assert "Traceback" not in out
-    ckpt = common.find_checkpoint(run)
-    assert common.load_trainer_state(ckpt)["step"] == common.read_metrics(run)[-1]["step"] >= 1
+    ckpt = harness.find_checkpoint(run)
+    assert harness.load_trainer_state(ckpt)["step"] == harness.read_metrics(run)[-1]["step"] >= 1
 
 
 # ------------------------------------------------------------------ 3. one-line errors, before any model loads
@@ -217,7 +219,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys, monkeypatch):
 def test_truncated_weights_on_resume_are_a_clear_error(tmp_path, capsys):
     import grpo
     grpo.main(["--steps", "1", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL])
-    weights = common.find_checkpoint(tmp_path / "t") / "model.safetensors"
+    weights = harness.find_checkpoint(tmp_path / "t") / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     err = _error_of(grpo, capsys, ["--resume", str(tmp_path / "t"), "--steps", "2"])
     assert err.startswith("error: cannot load model")
@@ -227,7 +229,7 @@ def test_null_answers_are_dropped_and_counted(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     rows = [{"problem": "1+1", "answer": "2"}, {"problem": "2+2", "answer": None}, {"problem": "3+3", "answer": "6"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = common.load_problems(str(data))
+    got = tasks.load_problems(str(data))
     assert [r["answer"] for r in got] == ["2", "6"]
     assert "dropped 1 of 3" in capsys.readouterr().out
 
@@ -258,7 +260,7 @@ def test_answer_extraction_option_grades_free_text_answers():
     ("\\boxed{3} and \\boxed{5}", "5, 3", True),  # sets compare unordered in math-verify
 ])
 def test_several_boxes_rule(text, gold, right):
-    assert common.grade(text, gold).correct is right
+    assert tasks.grade(text, gold).correct is right
 
 
 def test_dapo_overlong_cache_must_fit_the_completion_cap(tmp_path, capsys):
@@ -300,7 +302,7 @@ def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny)
     import grpo
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu"))
     tok, _ = grpo.load_tokenizer("tiny", False)
-    prompts = [common.build_prompt(tok, r["problem"], "tiny") for r in common.tiny_task("test", 4)]
+    prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 4)]
     outs = {}
     for name in ("tiny", str(skewed_tiny)):
         model = grpo.load_model(name, torch.device("cpu"), args, trainable=False)
@@ -309,13 +311,13 @@ def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny)
         sampled = grpo.generate_rollouts(model, tok, prompts, 4, args, eos, torch.device("cpu"))["completion_ids"]
         rows = [{"prompt": p, "answer": "0"} for p in prompts]
         seen = []
-        real_grade = common.grade
-        common.grade = lambda text, *a, **k: seen.append(text) or real_grade(text, *a, **k)
+        real_grade = tasks.grade
+        tasks.grade = lambda text, *a, **k: seen.append(text) or real_grade(text, *a, **k)
         try:
             torch.manual_seed(1)
             grpo.evaluate(model, tok, rows, args, eos, torch.device("cpu"))
         finally:
-            common.grade = real_grade
+            tasks.grade = real_grade
         outs[name] = (sampled, seen[:len(rows)])  # the greedy texts come first
     (s0, g0), (s1, g1) = outs.values()
     assert torch.equal(s0, s1), "the model's generation_config.json changed how rollouts were sampled"
@@ -328,7 +330,7 @@ def test_reference_and_policy_agree_exactly_at_step_0_under_bf16_autocast():
     tok, _ = grpo.load_tokenizer("tiny", False)
     policy = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
     ref = grpo.load_model("tiny", torch.device("cpu"), args, trainable=False)
-    prompts = [common.build_prompt(tok, r["problem"], "tiny") for r in common.tiny_task("test", 3)]
+    prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 3)]
     torch.manual_seed(0)
     batch = grpo.generate_rollouts(policy, tok, prompts, 4, args, grpo.eos_token_ids(policy, tok), torch.device("cpu"))
     old_logp, _, _ = grpo.batch_logps(policy, batch, args)
@@ -346,7 +348,7 @@ def test_chunked_log_probs_match_full_logits_in_value_and_gradient():
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu", temperature=0.7))
     tok, _ = grpo.load_tokenizer("tiny", False)
     model = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
-    prompts = [common.build_prompt(tok, r["problem"], "tiny") for r in common.tiny_task("test", 3)]
+    prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 3)]
     torch.manual_seed(0)
     batch = grpo.generate_rollouts(model, tok, prompts, 2, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
     model.train()

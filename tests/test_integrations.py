@@ -24,6 +24,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+import tasks  # noqa: E402
 import erpo  # noqa: E402
 import tepo  # noqa: E402
 from integrations import trl_trainers as tt  # noqa: E402
@@ -48,8 +49,8 @@ def _tok():
 
 
 def _prompts(tok):
-    rows = common.tiny_task("train", 8)
-    return Dataset.from_list([{"prompt": common.build_prompt(tok, r["problem"], "tiny"),
+    rows = tasks.tiny_task("train", 8)
+    return Dataset.from_list([{"prompt": tasks.build_prompt(tok, r["problem"], "tiny"),
                                "answer": r["answer"]} for r in rows])
 
 
@@ -258,8 +259,8 @@ def _tepo_py_args():
 
 def _text_batch(tok, n=4):
     """Real tiny-task prompts and solutions (likely tokens: c > 0 on many) in TRL's layout."""
-    rows = common.tiny_task("train", n, seed=3)
-    p = [tok(common.build_prompt(tok, r["problem"], "tiny"))["input_ids"] for r in rows]
+    rows = tasks.tiny_task("train", n, seed=3)
+    p = [tok(tasks.build_prompt(tok, r["problem"], "tiny"))["input_ids"] for r in rows]
     c = [tok(r["solution"][:6 + 5 * i] + "<|im_end|>")["input_ids"] for i, r in enumerate(rows)]
     Tp, T = max(map(len, p)), max(map(len, c))
     left = lambda x, n: [0] * (n - len(x)) + x  # noqa: E731
@@ -414,10 +415,10 @@ def test_erpo_loss_path_equals_erpo_loss_on_fixed_inputs(erpo_trainer, monkeypat
 
 # ================================================================ end to end: two optimizer steps
 def _tiebreak_reward(completions, answer, **kwargs):
-    """common.grade's correctness, plus a small deterministic function of the text, so that a
+    """tasks.grade's correctness, plus a small deterministic function of the text, so that a
     group of different completions is never all equal and every step has a learning signal,
     whatever the tiny model samples."""
-    return [float(common.grade(c, a).correct) + 0.01 * (zlib.crc32(c.encode()) % 7)
+    return [float(tasks.grade(c, a).correct) + 0.01 * (zlib.crc32(c.encode()) % 7)
             for c, a in zip(completions, answer)]
 
 

@@ -4,7 +4,7 @@ coloured by each algorithm quantity, every value on hover, and the right tokens 
 import re
 from html.parser import HTMLParser
 
-import common
+import harness
 
 
 class Spans(HTMLParser):
@@ -42,7 +42,7 @@ def test_renderer_colours_each_quantity_and_escapes_text(tmp_path):
     rows = [{"header": "reward +1.000", "prompt": "7+5-8 <b>", "tokens": ["a", "<", "&"],
              "values": {"entropy": [0.0, 1.0, 2.0], "kl_mask": [0.0, 1.0, 0.0], "adv": [-1.0, 0.0, 1.0]}}]
     path = tmp_path / "s.html"
-    common.write_token_html(path, "t", rows)
+    path.write_text(harness.token_html("t", rows))
     p = _parse(path)
     assert p.external == []  # self-contained: no network
     assert [s["text"] for s in p.spans] == ["a", "<", "&"]  # escaped in the file, text again when parsed

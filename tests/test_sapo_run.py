@@ -11,12 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import tasks
+import harness
 import sapo
 
 SMALL = ["--prompts-per-step", "16", "--group-size", "1", "--eval-n", "16", "--eval-every", "2",
          "--micro-batch-size", "8", "--num-mini-batches", "2", "--sample-every", "100", "--tensorboard", "false"]
 METRICS = ("reward", "accuracy", "zero_std_frac", "loss", "entropy", "clip_frac", "completion_len",
-           "truncated_frac", "time/generate", "time/train", "tokens_per_s", "unparsable_frac", "grad_norm",
+           "truncated_frac", "time/generate", "time/reward", "time/old_logp", "time/ref_logp", "time/advantage",
+           "time/update", "time/step", "tokens_per_s", "unparsable_frac", "grad_norm",
            "segments_per_completion", "segment_len", "adv_mean", "adv_std", "explained_var", "value_mean",
            "return_mean", "value_loss", "value_grad_norm", "value_clip_frac", "dual_clip_frac", "approx_kl",
            "seg_ratio_min", "seg_ratio_max", "skipped_updates", "lr", "critic_lr", "kl")
@@ -27,7 +30,7 @@ def _args(**kw):
 
 
 def _weights(run_dir, sub=""):
-    ckpt = common.find_checkpoint(run_dir)
+    ckpt = harness.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / sub / "model.safetensors"))
 
 
@@ -70,8 +73,8 @@ def test_token_values_are_the_value_of_the_prefix_before_each_token(tiny):
     with torch.no_grad():  # a non-zero head, so the values differ from position to position
         critic.score.weight.normal_()
         critic.score.bias.fill_(0.3)
-    rows = common.tiny_task("train", 3)
-    prompts = [common.build_prompt(tokenizer, r["problem"], "tiny") for r in rows]
+    rows = tasks.tiny_task("train", 3)
+    prompts = [tasks.build_prompt(tokenizer, r["problem"], "tiny") for r in rows]
     prompts[1] = prompts[1] + "9+9+9"  # prompts of different lengths: left padding differs
     eos = sapo.eos_token_ids(policy, tokenizer)
     batch = sapo.generate_rollouts(policy, tokenizer, prompts, 2, args, eos, torch.device("cpu"))
@@ -95,7 +98,7 @@ def test_value_loss_gradient_reaches_the_critic(tiny):
     args, tokenizer, policy = tiny
     critic = sapo.load_critic("tiny", torch.device("cpu"), args, tokenizer)
     critic.train()
-    prompts = [common.build_prompt(tokenizer, r["problem"], "tiny") for r in common.tiny_task("train", 2)]
+    prompts = [tasks.build_prompt(tokenizer, r["problem"], "tiny") for r in tasks.tiny_task("train", 2)]
     batch = sapo.generate_rollouts(policy, tokenizer, prompts, 1, args, sapo.eos_token_ids(policy, tokenizer),
                                    torch.device("cpu"))
     seg_id, seg_mask = sapo.segment_index(sapo.segment_ends(torch.rand(batch["mask"].shape), batch["mask"]),
@@ -114,7 +117,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     sapo.main(["--steps", "2", "--save-every", "1", "--output-dir", str(tmp_path), "--run-name", "b", *SMALL])
     ckpt_b2, _ = _weights(tmp_path / "b")
     assert ckpt_b2.name == "checkpoint-2" and (ckpt_b2 / "critic" / "model.safetensors").is_file()
-    assert "critic_optimizer" in common.load_trainer_state(ckpt_b2, "optimizer.pt")
+    assert "critic_optimizer" in harness.load_trainer_state(ckpt_b2, "optimizer.pt")
     sapo.main(["--resume", str(tmp_path / "b"), "--steps", "3"])
     for sub in ("", "critic"):
         ckpt_a, wa = _weights(tmp_path / "a", sub)
@@ -123,7 +126,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f"{sub or 'policy'} differs"
     _, w_critic = _weights(tmp_path / "a", "critic")
     assert any(w.abs().sum() > 0 for k, w in w_critic.items() if k.startswith("score."))  # the head learned
-    rows_a, rows_b = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
+    rows_a, rows_b = harness.read_metrics(tmp_path / "a"), harness.read_metrics(tmp_path / "b")
     assert rows_a[-1]["reward"] == rows_b[-1]["reward"] and rows_a[-1]["loss"] == rows_b[-1]["loss"]
     assert rows_a[-1]["value_loss"] == rows_b[-1]["value_loss"]
     for key in METRICS:
@@ -137,7 +140,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     assert all(name in html for name in ("entropy", "segment_end", "advantage", "value"))
     # the checkpoint is an ordinary Hugging Face folder, its critic one too
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-    ckpt = common.find_checkpoint(tmp_path / "a")
+    ckpt = harness.find_checkpoint(tmp_path / "a")
     AutoModelForCausalLM.from_pretrained(ckpt)
     assert AutoModelForTokenClassification.from_pretrained(ckpt / "critic").config.num_labels == 1
 
@@ -146,7 +149,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
 def test_flag_variants_run(flags, tmp_path):
     sapo.main(["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "v",
                *SMALL, *flags])
-    row = common.read_metrics(tmp_path / "v")[-1]
+    row = harness.read_metrics(tmp_path / "v")[-1]
     assert row["value_loss"] > 0 and row["segments_per_completion"] >= 1
     assert ("kl" in row) == ("--kl-coef" not in flags)  # no reference model, no KL in the reward
     assert json.loads((tmp_path / "v" / "args.json").read_text())[flags[0][2:].replace("-", "_")] in ("end", 0.0)
@@ -171,14 +174,14 @@ def test_critic_from_another_local_model(tmp_path):
     other = _local_model(tmp_path / "small", None, 32)
     sapo.main(["--steps", "2", "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "c",
                "--critic-model", str(other), *SMALL])
-    ckpt = common.find_checkpoint(tmp_path / "c")
+    ckpt = harness.find_checkpoint(tmp_path / "c")
     assert json.loads((ckpt / "critic" / "config.json").read_text())["hidden_size"] == 32
     assert json.loads((ckpt / "config.json").read_text())["hidden_size"] == 128
     w = load_file(str(ckpt / "critic" / "model.safetensors"))
     start = load_file(str(other / "model.safetensors"))
     changed = [k for k in start if k in w and not torch.equal(w[k], start[k])]
     assert changed  # the critic's base was trained (from step 2 on: at step 1 the zero head passes no gradient)
-    assert "explained_var" in common.read_metrics(tmp_path / "c")[-1]
+    assert "explained_var" in harness.read_metrics(tmp_path / "c")[-1]
 
 
 # ------------------------------------------------------------------ clear errors
@@ -230,7 +233,7 @@ def test_short_seeded_run_learns(tmp_path):
     is about twice the sampling noise of a difference of two 256-problem accuracies."""
     sapo.main(["--steps", "40", "--seed", "1", "--eval-every", "40", "--save-every", "1000", "--sample-every",
                "1000", "--tensorboard", "false", "--output-dir", str(tmp_path), "--run-name", "learn"])
-    rows = common.read_metrics(tmp_path / "learn")
+    rows = harness.read_metrics(tmp_path / "learn")
     evals = [r for r in rows if "eval/sampled_acc" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]

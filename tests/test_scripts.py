@@ -8,12 +8,16 @@ import pytest
 import torch
 
 import common
+import tasks
+import harness
 
 SCRIPTS = ["grpo", "dapo", "tepo"]
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--eval-n", "16", "--eval-every", "2",
          "--micro-batch-size", "8", "--num-mini-batches", "2", "--sample-every", "100", "--tensorboard", "false"]
 COMMON_METRICS = ("reward", "accuracy", "zero_std_frac", "loss", "entropy", "clip_frac", "completion_len",
-                  "truncated_frac", "time/generate", "time/train", "tokens_per_s", "unparsable_frac", "grad_norm")
+                  "truncated_frac", "time/generate", "time/reward", "time/old_logp", "time/update", "time/step",
+                  "tokens_per_s", "unparsable_frac", "grad_norm", "completions", "completion_len_max",
+                  "optimizer_steps")
 EXTRA_METRICS = {"grpo": ("kl",), "dapo": ("kept_groups", "dropped_groups", "gen_rounds"),
                  "tepo": ("mask_frac", "masked_entropy", "other_entropy", "seq_ratio_min", "seq_ratio_max",
                           "masked_kl", "kl")}
@@ -21,7 +25,7 @@ EXTRA_METRICS = {"grpo": ("kl",), "dapo": ("kept_groups", "dropped_groups", "gen
 
 def _weights(run_dir):
     from safetensors.torch import load_file
-    ckpt = common.find_checkpoint(run_dir)
+    ckpt = harness.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / "model.safetensors"))
 
 
@@ -39,7 +43,7 @@ def test_smoke_two_steps_then_resume_exactly(name, tmp_path):
     ckpt_b, wb = _weights(tmp_path / "b")
     assert ckpt_a.name == ckpt_b.name == "checkpoint-3"
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "resume did not continue exactly"
-    rows_a, rows_b = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
+    rows_a, rows_b = harness.read_metrics(tmp_path / "a"), harness.read_metrics(tmp_path / "b")
     assert rows_a[-1]["reward"] == rows_b[-1]["reward"] and rows_a[-1]["loss"] == rows_b[-1]["loss"]
     for key in COMMON_METRICS + EXTRA_METRICS[name]:
         assert key in rows_a[-1], key
@@ -88,12 +92,12 @@ def test_clear_one_line_errors(name, tmp_path, capsys):
 def test_local_dataset_file_trains(tmp_path):
     """A local .jsonl with custom column names goes through the same pipeline."""
     import grpo
-    rows = common.tiny_task("train", 64)
+    rows = tasks.tiny_task("train", 64)
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps({"q": r["problem"], "a": r["answer"]}) + "\n" for r in rows))
     grpo.main(["--dataset", str(data), "--problem-column", "q", "--answer-column", "a", "--eval-dataset", "none",
                "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "local", *SMALL])
-    assert common.read_metrics(tmp_path / "local")[-1]["step"] == 1
+    assert harness.read_metrics(tmp_path / "local")[-1]["step"] == 1
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -107,7 +111,7 @@ def test_short_seeded_run_learns(name, tmp_path):
     mod = importlib.import_module(name)
     mod.main(["--steps", str(steps), "--seed", "1", "--eval-every", "40", "--save-every", "1000",
               "--sample-every", "1000", "--tensorboard", "false", "--output-dir", str(tmp_path), "--run-name", "learn"])
-    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
+    evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps
     assert last >= first + 0.07, (first, last)
@@ -134,9 +138,9 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:]
     assert "Traceback" not in out
-    ckpt = common.find_checkpoint(run)
-    state = common.load_trainer_state(ckpt)
-    last_logged = common.read_metrics(run)[-1]["step"]
+    ckpt = harness.find_checkpoint(run)
+    state = harness.load_trainer_state(ckpt)
+    last_logged = harness.read_metrics(run)[-1]["step"]
     assert state["step"] == last_logged == int(ckpt.name.split("-")[1]) >= 1
 
 
@@ -151,7 +155,7 @@ def test_tepo_flag_variants_run(flags, tmp_path):
     import tepo
     tepo.main(["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "v",
                *SMALL, *flags])
-    row = common.read_metrics(tmp_path / "v")[-1]
+    row = harness.read_metrics(tmp_path / "v")[-1]
     assert 0.0 <= row["mask_frac"] <= 1.0 and row["seq_ratio_min"] <= row["seq_ratio_max"]
 
 
@@ -165,11 +169,11 @@ def test_dapo_with_no_mixed_group_skips_the_update(tmp_path, capsys):
                "--eval-dataset", "none", "--output-dir", str(tmp_path), "--run-name", "z", *SMALL])
     text = (tmp_path / "z" / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    row = common.read_metrics(tmp_path / "z")[-1]
+    row = harness.read_metrics(tmp_path / "z")[-1]
     assert row["kept_groups"] == 0 and row["gen_rounds"] == 2 and row["dropped_groups"] == 8
     assert "round limit" in capsys.readouterr().out
     before = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    after = load_file(str(common.find_checkpoint(tmp_path / "z") / "model.safetensors"))
+    after = load_file(str(harness.find_checkpoint(tmp_path / "z") / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -195,13 +199,13 @@ def test_real_preset_on_a_local_model(local_real_model, tmp_path, capsys):
     err = _error_of(grpo, capsys, ["--model", str(local_real_model), "--output-dir", str(tmp_path)])
     assert "cannot load dataset 'math'" in err
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in common.tiny_task("train", 8)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in tasks.tiny_task("train", 8)))
     grpo.main(["--model", str(local_real_model), "--dataset", str(data), "--eval-dataset", "none", "--steps", "1",
                "--max-new-tokens", "8", "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "1",
                "--output-dir", str(tmp_path), "--run-name", "r", "--tensorboard", "false"])
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert args["lr"] == 1e-6 and args["template"] == "qwen_math" and args["max_new_tokens"] == 8
-    assert common.read_metrics(tmp_path / "r")[-1]["step"] == 1
+    assert harness.read_metrics(tmp_path / "r")[-1]["step"] == 1
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -213,8 +217,8 @@ def test_micro_batch_size_does_not_change_the_update(name, tmp_path):
             "--eval-dataset", "none", "--sample-every", "100", "--tensorboard", "false", "--output-dir", str(tmp_path)]
     for mb in ("16", "6"):  # 6 splits 16 rows unevenly (6, 6, 4)
         mod.main([*base, "--micro-batch-size", mb, "--run-name", f"mb{mb}"])
-    w16 = load_file(str(common.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
-    w6 = load_file(str(common.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
+    w16 = load_file(str(harness.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
+    w6 = load_file(str(harness.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
     w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
     assert any(not torch.equal(w0[k], w16[k]) for k in w0)  # the step did update the model
     # Float noise only: Adam's first step is about lr x sign(g), so an element whose gradient is

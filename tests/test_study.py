@@ -1,4 +1,4 @@
-"""study.py: a smoke study end to end (2 steps, one seed, grpo and tepo, small batches), skipping
+"""tools/study.py: a smoke study end to end (2 steps, one seed, grpo and tepo, small batches), skipping
 finished runs, continuing a run with --steps, stopping on SIGTERM, failures, and the aggregation
 and verdict rule on hand-made metrics with hand-computed values."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import study
+from tools import study
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ SMALL = "--prompts-per-step 2 --group-size 4 --micro-batch-size 8 --num-mini-bat
 
 
 def _study(out, *flags, configs="grpo,tepo"):
-    cmd = [sys.executable, str(ROOT / "study.py"), "--configs", configs, "--seeds", "1",
+    cmd = [sys.executable, str(ROOT / "tools" / "study.py"), "--configs", configs, "--seeds", "1",
            "--eval-every", "1", "--eval-n", "16", "--out", str(out), "--extra", SMALL, *flags]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
@@ -211,7 +211,7 @@ def test_sigterm_stops_running_jobs_with_a_save(tmp_path):
              "p.with_suffix('.up').write_text(''); time.sleep(120)")
     driver = tmp_path / "driver.py"
     driver.write_text(
-        f"import sys; sys.path.insert(0, {str(ROOT)!r}); import study\n"
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import study\n"
         f"from pathlib import Path\nt = Path({str(tmp_path)!r})\n"
         f"jobs = [study.Job(f'j{{i}}', [sys.executable, '-c', {child!r}, str(t / f'j{{i}}.txt')],"
         f" t / f'j{{i}}.log') for i in range(3)]\n"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+import tasks
 import dapo
 import tepo
 
@@ -462,7 +463,7 @@ def tiny(tiny_dir):
     args = tepo.resolve_args(tepo.Args(run_name="x", device="cpu", max_new_tokens=24))
     tok, _ = tepo.load_tokenizer(str(tiny_dir), False)
     model = tepo.load_model(str(tiny_dir), torch.device("cpu"), args, trainable=True)
-    prompts = [common.build_prompt(tok, p, "tiny") for p in PROBLEMS]
+    prompts = [tasks.build_prompt(tok, p, "tiny") for p in PROBLEMS]
     common.seed_everything(0)
     batch = tepo.generate_rollouts(model, tok, prompts, 4, args, tepo.eos_token_ids(model, tok),
                                    torch.device("cpu"))

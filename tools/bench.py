@@ -1,31 +1,30 @@
 """What one training step costs, phase by phase, for every algorithm script (and TRL's GRPOTrainer).
 
-    python bench.py                        # every script, TRL, cost curves: minutes on 2 cores
-    python bench.py --scripts grpo,tepo --no-trl --no-curves
-    python bench.py --steps 20 --threads 4 # more timed steps, more torch threads
-    python bench.py --device cuda          # the same tiny preset on a GPU
-    python bench.py --estimate-only        # the real run's throughput, estimated (no GPU needed)
-    python bench.py --scripts tepo --no-trl --no-curves --profile-steps 3   # where tepo's step goes
+    python tools/bench.py                  # every script, TRL, cost curves: minutes on 2 cores
+    python tools/bench.py --scripts grpo,tepo --no-trl --no-curves
+    python tools/bench.py --steps 20 --threads 4   # more timed steps, more torch threads
+    python tools/bench.py --device cuda    # the same tiny preset on a GPU
+    python tools/bench.py --estimate-only  # the real run's throughput, estimated (no GPU needed)
+    python tools/bench.py --scripts tepo --no-trl --no-curves --profile-steps 3   # where tepo's step goes
 
-A step here is what each script's train() does for one rollout batch, on its tiny preset (the
-bundled ~0.8M-parameter model, 16 prompts x 8 completions, 40 new tokens, 2 optimizer steps per
-batch, the script's reference model if it uses one, CPU, fp32). bench.py builds each script's
-arguments with its own resolve_args and calls its own functions in the order its train() calls
-them, timing the phases:
+A step here is one step of each script's own train(), on its tiny preset (the bundled
+~0.8M-parameter model, 16 prompts x 8 completions, 40 new tokens, 2 optimizer steps per batch,
+the script's reference model if it uses one, CPU, fp32), with no held-out evaluation. Nothing
+here copies a training loop: the benchmark runs train() itself (harness.STEP_HOOKS hands it
+each step's metrics) and reads the seconds that every script logs for each phase of its step:
 
-    generate   sample the completions (generate_rollouts; DAPO: every dynamic-sampling round)
-    reward     grade them (reward_fn) and the group advantage
-    old_logp   log-probs and entropies under the policy that sampled (batch_logps)
-    ref_logp   log-probs under the frozen reference model (scripts that load one)
-    advantage  ERPO's token advantages; SAPO's segments and critic values
-    update     the optimizer steps: forward, loss, backward, AdamW (SAPO: the critic's too)
+    time/generate   sample the completions (generate_rollouts; DAPO: every dynamic-sampling round)
+    time/reward     grade them (reward_fn) and the group advantage
+    time/old_logp   log-probs and entropies under the policy that sampled (batch_logps)
+    time/ref_logp   log-probs under the frozen reference model (scripts that load one)
+    time/advantage  ERPO's token advantages; SAPO's segments and critic values
+    time/update     the optimizer steps: forward, loss, backward, AdamW (SAPO: the critic's too)
 
-Held-out evaluation, sample printing and checkpoints are not part of a step here. "step" is the
-wall time of the whole step, so it can exceed the sum of the phases a little (metrics, DAPO's
-group filtering). tokens/s counts every sampled completion token up to its EOS, divided by the
-step time (the scripts' `tokens_per_s`, except that DAPO's dropped groups count too).
+"step" is time/step, the wall time of the whole step up to its metrics (samples, logging and
+checkpoints come after it). tokens/s is the script's tokens_per_s: the completion tokens it
+trained on, up to each EOS, per second of the step (DAPO: the kept groups only).
 
-Then the first script's step runs under torch.profiler (--profile-steps), split by kind of op:
+Then the first script's steps run under torch.profiler (--profile-steps), split by kind of op:
 matrix multiplies (with their GFLOP and GFLOP/s, next to this machine's 2048^3 matrix multiply
 peak), attention, other ops (elementwise, copies, sampling; the largest are listed) and what the
 ops leave of the wall time (Python; on CUDA also the kernel launches the GPU waits for). It shows
@@ -33,11 +32,11 @@ whether a step is bound by arithmetic or by overhead, so what kind of change cou
 
 Then, when TRL is installed, TRL's GRPOTrainer does exactly grpo.py's work (same model folder,
 prompts, G, length cap, sampling settings, reward function, reference model with beta 0.04,
-optimizer steps per rollout batch), interleaved step by step with grpo.py in this process so that
-machine noise hits both alike; bench.py checks that the work matched and prints the line
-`project/TRL step time`. Then grpo.py's step time against --max-new-tokens, G and prompts per
-step (bench_curves.csv / .png). Everything is printed and written to --out: bench.md (the tables,
-with the machine, torch version, threads and date), bench_steps.csv (every timed step).
+optimizer steps per rollout batch), interleaved step by step with grpo.py's train() in this
+process so that machine noise hits both alike; bench.py checks that the work matched and prints
+the line `project/TRL step time`. Then grpo.py's step time against --max-new-tokens, G and
+prompts per step (bench_curves.csv / .png). Everything is printed and written to --out: bench.md
+(the tables, with the machine, torch version, threads and date), bench_steps.csv (every step).
 
 Timings on a shared machine are noisy: compare medians, read the min-max spread, and prefer the
 interleaved ratio to absolute times.
@@ -47,26 +46,30 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import importlib
+import io
 import math
 import os
 import platform
 import re
 import statistics
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import common
-from common import UserError, arg
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts and common.py live there
+sys.path.insert(0, str(ROOT))
 
-ROOT = Path(__file__).resolve().parent
+import common  # noqa: E402
+import harness  # noqa: E402
+from common import UserError, arg  # noqa: E402
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
 
@@ -187,11 +190,11 @@ def machine_line(m: dict) -> str:
 
 
 # =====================================================================================
-# Timing: the phases of one step
+# Timing: each script's own train(), read back from the time/<phase> metrics it logs
 # =====================================================================================
 class Clock:
-    """Adds the wall time of each `with clock("phase"):` block to clock.times["phase"].
-    On CUDA it synchronises at both ends, so that a phase is charged for its own kernels."""
+    """Adds the wall time of each `with clock("phase"):` block to clock.times["phase"] (for TRL's
+    phases and the matrix-multiply peak). On CUDA it synchronises at both ends."""
 
     def __init__(self, device: torch.device):
         self.device, self.times = device, defaultdict(float)
@@ -210,331 +213,66 @@ class Clock:
             self.times[phase] += self.now() - t0
 
 
-@dataclass
-class Setup:
-    """What a script's train() builds before its loop (no run folder, no logging)."""
-    name: str
-    mod: object
-    args: object
-    device: torch.device
-    tokenizer: object
-    rows: list
-    policy: object
-    ref: object
-    eos_ids: list
-    params: list
-    optimizer: object
-    scheduler: object
-    sampler: object
-    critic: object = None  # SAPO
-    critic_params: list = field(default_factory=list)
-    critic_optimizer: object = None
-    critic_scheduler: object = None
+def step_row(metrics: dict) -> dict:
+    """One step as the benchmark reports it, from the metrics the script's train() logged: the
+    seconds of each phase (0 where the script has no such phase) and of the step, and its work.
+
+    >>> m = {"time/generate": 0.5, "time/update": 1.0, "time/step": 1.6, "tokens_per_s": 250.0,
+    ...      "completions": 16, "completion_len_max": 30, "optimizer_steps": 2.0}
+    >>> r = step_row(m)
+    >>> r["generate"], r["advantage"], r["step"], r["tokens"], r["decode_steps"], r["rounds"]
+    (0.5, 0.0, 1.6, 400, 30, 1)
+    """
+    return {**{p: metrics.get(f"time/{p}", 0.0) for p in PHASES}, "step": metrics["time/step"],
+            "tokens_per_s": metrics["tokens_per_s"], "completions": metrics["completions"],
+            "tokens": round(metrics["tokens_per_s"] * metrics["time/step"]),  # tokens_per_s = tokens / step
+            "decode_steps": metrics["completion_len_max"], "optimizer_steps": int(metrics.get("optimizer_steps", 0)),
+            "rounds": metrics.get("gen_rounds", 1)}
 
 
-def uses_ref(name: str, a) -> bool:
-    """Whether the script's train() loads the frozen reference model (its own condition)."""
-    if name == "grpo":
-        return a.beta > 0
-    if name == "tepo":
-        return (a.kl_coef > 0 and a.kl_target == "ref") or \
-            (a.entropy_test == "observed" and a.entropy_baseline == "ref")
-    if name == "sapo":
-        return a.kl_coef > 0
-    return name == "erpo"  # ERPO: always (its progress signal); DAPO: never
-
-
-def setup(name: str, device: str, seed: int, **overrides) -> Setup:
-    """train()'s preamble through the script's own functions: arguments from its resolve_args (its
-    tiny preset fills every field left at None), tokenizer, data, policy, reference (if the script
-    loads one), critic (SAPO), optimizer, prompt sampler."""
+def bench_args(name: str, args: Args, out_dir: str, steps: int, **overrides):
+    """<name>.py's Args for a benchmark run: its tiny preset (resolve_args fills every field left at
+    None), with no held-out evaluation, no TensorBoard, no checkpoint before the last step and
+    samples only at the first; P, G and the length cap from bench's flags or `overrides`."""
     mod = importlib.import_module(name)
-    given = {k: v for k, v in overrides.items() if v is not None}
-    a = mod.resolve_args(mod.Args(run_name="bench", device=device, seed=seed, **given))
-    common.seed_everything(a.seed)
-    dev = common.resolve_device(a.device)
-    tokenizer, ctx = mod.load_tokenizer(a.model, a.trust_remote_code)
-    rows, _ = mod.load_data(a, tokenizer, ctx)
-    policy = mod.load_model(a.model, dev, a, trainable=True)
-    ref = mod.load_model(a.model, dev, a, trainable=False) if uses_ref(name, a) else None
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer, scheduler = common.make_optimizer(params, a)
-    s = Setup(name, mod, a, dev, tokenizer, rows, policy, ref, mod.eos_token_ids(policy, tokenizer),
-              params, optimizer, scheduler, common.PromptSampler(len(rows), a.seed))
-    if name == "sapo":  # SAPO: the critic and its own AdamW
-        s.critic = mod.load_critic(a.critic_model or a.model, dev, a, tokenizer)
-        s.critic_params = [p for p in s.critic.parameters() if p.requires_grad]
-        s.critic_optimizer, s.critic_scheduler = common.make_optimizer(
-            s.critic_params, dataclasses.replace(a, lr=a.critic_lr))
-    return s
+    given = {"prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
+             "max_new_tokens": args.max_new_tokens, **overrides}
+    return mod, mod.Args(device=args.device, seed=args.seed, steps=steps, output_dir=out_dir, run_name="bench",
+                         eval_dataset="none", tensorboard=False, save_every=10**9, sample_every=10**9,
+                         **{k: v for k, v in given.items() if v is not None})
 
 
-# =====================================================================================
-# One training step per script: the calls of its train() loop, in its order
-# =====================================================================================
-def _sample(s: Setup, clock: Clock) -> tuple[list, dict]:
-    """Step 1 of every script: P prompts, G completions each."""
-    with clock("generate"):
-        rows = [s.rows[i] for i in s.sampler.take(s.args.prompts_per_step)]
-        batch = s.mod.generate_rollouts(s.policy, s.tokenizer, [r["prompt"] for r in rows],
-                                        s.args.group_size, s.args, s.eos_ids, s.device)
-    return rows, batch
+def run_script(name: str, args: Args, steps: int, warmup: int, label: str = "", on_step=None,
+               **overrides) -> tuple[object, list[dict]]:
+    """Runs <name>.py's own train() for warmup + steps steps in a temporary folder, its output
+    held back (shown only if it fails); one line printed per step. Returns the run's resolved
+    Args and the timed steps' rows. on_step(step, row) runs after each step (interleaving, the
+    profiler) through harness.STEP_HOOKS."""
+    out, rows, resolved = sys.stdout, [], {}
 
+    def hook(run, step, metrics):
+        resolved["args"], row = run.args, step_row(metrics)
+        tag = "warm-up" if step <= warmup else f"{step - warmup}/{steps}"
+        print(f"  {label or name} {tag}: {row['step']:.2f} s, {row['completions']} completions, "
+              f"{row['tokens']} tokens", file=out, flush=True)
+        if step > warmup:
+            rows.append(row)
+        if on_step is not None:
+            on_step(step, row)
 
-def _answers(rows: list, G: int) -> list[str]:
-    return [r["answer"] for r in rows for _ in range(G)]
-
-
-def _optimizer_step(s: Setup, loss_sum: float) -> dict:
-    return common.optimizer_step(s.optimizer, s.scheduler, s.params, s.args.max_grad_norm, loss_sum)
-
-
-def _work(batches: list[dict], optimizer_steps: int, metrics: dict) -> dict:
-    """The work a step did: completions sampled, their tokens (through the first EOS), decode
-    steps (generate() runs until the longest completion of its batch ends), optimizer steps,
-    generation rounds; and the accuracy the script logs for the step."""
-    return {"completions": sum(len(b["mask"]) for b in batches),
-            "tokens": sum(int(b["mask"].sum()) for b in batches),
-            "decode_steps": sum(b["completion_ids"].shape[1] for b in batches),
-            "optimizer_steps": optimizer_steps, "rounds": len(batches),
-            "accuracy": metrics["accuracy"]}
-
-
-def step_grpo(s: Setup, clock: Clock) -> dict:
-    mod, args, device, G = s.mod, s.args, s.device, s.args.group_size
-    rows, batch = _sample(s, clock)
-    with clock("reward"):
-        rewards, correct, parsed = mod.reward_fn(batch["texts"], _answers(rows, G), args)
-        advantages = mod.group_advantages(rewards, G).to(device)
-    with clock("old_logp"):
-        old_logp, old_entropy, _ = mod.batch_logps(s.policy, batch, args)
-    with clock("ref_logp"):
-        ref_logp = mod.batch_logps(s.ref, batch, args)[0] if s.ref is not None else None
-    n_opt, stats, mask = 0, [], batch["mask"]
-    with clock("update"):
-        s.policy.train()
-        for _ in range(args.ppo_epochs):
-            for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
-                s.optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
-                    logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
-                                                             with_entropy=False)
-                    ref_mb = ref_logp[mb] if ref_logp is not None else None
-                    loss = mod.grpo_loss(logp, old_logp[mb], ref_mb, advantages[mb], mask[mb],
-                                         args.eps, args.beta, num_seqs=len(mini))
-                    loss.backward()
-                    loss_sum += loss.item()
-                    stats.append(mod.grpo_stats(logp, old_logp[mb], ref_mb, advantages[mb],
-                                                mask[mb], args.eps))
-                stats.append(_optimizer_step(s, loss_sum))
-                n_opt += 1
-    metrics = mod.rollout_metrics(batch, rewards, correct, parsed, old_entropy, G)
-    return _work([batch], n_opt, {**metrics, **common.reduce_stats(stats)})
-
-
-def step_dapo(s: Setup, clock: Clock) -> dict:
-    mod, args, device, G = s.mod, s.args, s.device, s.args.group_size
-    sampled = []
-
-    def sample_round():  # DAPO: one dynamic-sampling round, scored
-        rows, b = _sample(s, clock)
-        with clock("reward"):
-            b["rewards"], b["correct"], b["parsed"] = mod.reward_fn(
-                b["texts"], _answers(rows, G), b["mask"].sum(1), args)
-        sampled.append(b)
-        return b
-
-    batch, _ = mod.dynamic_sampling(sample_round, args.prompts_per_step, G, args.max_gen_rounds)
-    with clock("reward"):
-        advantages = mod.group_advantages(batch["rewards"], G).to(device)
-    with clock("old_logp"):
-        old_logp, old_entropy, _ = mod.batch_logps(s.policy, batch, args)
-    n_opt, stats, mask = 0, [], batch["mask"]
-    with clock("update"):
-        s.policy.train()
-        for _ in range(args.ppo_epochs if len(advantages) else 0):  # no kept group, no update
-            for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
-                s.optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                num_tokens = mask[mini].sum().item()
-                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
-                    logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
-                                                             with_entropy=False)
-                    loss = mod.dapo_loss(logp, old_logp[mb], advantages[mb], mask[mb], num_tokens,
-                                         args.clip_low, args.clip_high)
-                    loss.backward()
-                    loss_sum += loss.item()
-                    stats.append(mod.dapo_stats(logp, old_logp[mb], advantages[mb], mask[mb],
-                                                args.clip_low, args.clip_high))
-                stats.append(_optimizer_step(s, loss_sum))
-                n_opt += 1
-    rewards, correct, parsed = (torch.cat([b[k] for b in sampled])
-                                for k in ("rewards", "correct", "parsed"))
-    metrics = mod.rollout_metrics(batch, rewards, correct, parsed, old_entropy, G)
-    return _work(sampled, n_opt, {**metrics, **common.reduce_stats(stats)})
-
-
-def step_tepo(s: Setup, clock: Clock) -> dict:
-    mod, args, device, G = s.mod, s.args, s.device, s.args.group_size
-    rows, batch = _sample(s, clock)
-    with clock("reward"):
-        rewards, correct, parsed = mod.reward_fn(batch["texts"], _answers(rows, G), args)
-        advantages = mod.group_advantages(rewards, G).to(device)
-    with clock("old_logp"):  # TEPO: c comes from the same pass
-        old_logp, old_entropy, c = mod.batch_logps(s.policy, batch, args,
-                                                   extra=mod.entropy_change_c)
-    with clock("ref_logp"):
-        ref_logp, ref_entropy, _ = (mod.batch_logps(s.ref, batch, args) if s.ref is not None
-                                    else (None, None, None))
-    kl_logp = ref_logp if args.kl_target == "ref" else old_logp
-    base_entropy = old_entropy if args.entropy_baseline == "old" else ref_entropy
-    observed = args.entropy_test == "observed"
-    n_opt, stats, mask = 0, [], batch["mask"]
-    with clock("update"):
-        s.policy.train()
-        for _ in range(args.ppo_epochs):
-            for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
-                s.optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                num_tokens = mask[mini].sum().item()
-                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
-                    logp, entropy, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
-                                                                   with_entropy=observed)
-                    falls = (entropy < base_entropy[mb] - args.entropy_tol if observed
-                             else c[mb] > 0)
-                    M = mod.kl_mask(advantages[mb], falls, mask[mb])
-                    kl_mb = kl_logp[mb] if kl_logp is not None else None
-                    loss = mod.tepo_loss(logp, old_logp[mb], kl_mb, advantages[mb], mask[mb], M,
-                                         num_tokens, args.clip_low, args.clip_high, args.kl_coef,
-                                         args.ratio_level)
-                    loss.backward()
-                    loss_sum += loss.item()
-                    stats.append(mod.tepo_stats(logp, old_logp[mb], kl_mb, advantages[mb],
-                                                mask[mb], M, old_entropy[mb], args.clip_low,
-                                                args.clip_high, args.ratio_level))
-                stats.append(_optimizer_step(s, loss_sum))
-                n_opt += 1
-    metrics = mod.rollout_metrics(batch, rewards, correct, parsed, old_entropy, G)
-    return _work([batch], n_opt, {**metrics, **common.reduce_stats(stats)})
-
-
-def step_erpo(s: Setup, clock: Clock) -> dict:
-    mod, args, device, G = s.mod, s.args, s.device, s.args.group_size
-    rows, batch = _sample(s, clock)
-    with clock("reward"):
-        rewards, correct, parsed = mod.reward_fn(batch["texts"], _answers(rows, G), args)
-        advantages = mod.group_advantages(rewards, G).to(device)
-    with clock("old_logp"):
-        old_logp, old_entropy, _ = mod.batch_logps(s.policy, batch, args)
-    with clock("ref_logp"):
-        ref_logp = mod.batch_logps(s.ref, batch, args)[0] if s.ref is not None else None
-    with clock("advantage"):  # ERPO: the token advantages, once per rollout batch
-        m = batch["mask"]
-        W = mod.entropy_gate(old_entropy, m, G, args.gate_gamma)
-        s_tilde = mod.bucket_normalize(mod.progress_signal(old_logp, ref_logp, m), m, G,
-                                       args.num_buckets)
-        A_it, psi = mod.token_advantages(advantages, W, s_tilde, m, args.eta, args.synthesis)
-    n_opt = 0
-    with clock("update"):
-        s.policy.train()
-        stats = [mod.token_advantage_stats(A_it, advantages, W, psi, m)]
-        for _ in range(args.ppo_epochs):
-            for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
-                s.optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
-                    logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
-                                                             with_entropy=False)
-                    ref_mb = ref_logp[mb] if ref_logp is not None else None
-                    loss = mod.erpo_loss(logp, old_logp[mb], ref_mb, A_it[mb], m[mb],
-                                         args.eps, args.beta, num_seqs=len(mini))
-                    loss.backward()
-                    loss_sum += loss.item()
-                    stats.append(mod.erpo_stats(logp, old_logp[mb], ref_mb, A_it[mb], m[mb],
-                                                args.eps))
-                stats.append(_optimizer_step(s, loss_sum))
-                n_opt += 1
-    metrics = mod.rollout_metrics(batch, rewards, correct, parsed, old_entropy, G)
-    return _work([batch], n_opt, {**metrics, **common.reduce_stats(stats)})
-
-
-def step_sapo(s: Setup, clock: Clock) -> dict:
-    mod, args, device, G = s.mod, s.args, s.device, s.args.group_size
-    rows, batch = _sample(s, clock)
-    with clock("reward"):
-        rewards, correct, parsed = mod.reward_fn(batch["texts"], _answers(rows, G), args)
-    with clock("old_logp"):
-        old_logp, old_entropy, _ = mod.batch_logps(s.policy, batch, args)
-    with clock("ref_logp"):
-        ref_logp = mod.batch_logps(s.ref, batch, args)[0] if s.ref is not None else None
-    with clock("advantage"):  # SAPO: segments, the critic's old values, GAE over segments
-        seg = mod.segment_batch(s.critic, batch, old_logp, old_entropy, ref_logp,
-                                rewards.to(device), args)
-        seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]
-    n_opt, stats = 0, []
-    with clock("update"):  # SAPO: one policy and one critic optimizer step per mini-batch
-        s.policy.train()
-        s.critic.train()
-        for _ in range(args.ppo_epochs):
-            for mini in torch.randperm(len(rewards), device=device).chunk(args.num_mini_batches):
-                s.optimizer.zero_grad(set_to_none=True)
-                s.critic_optimizer.zero_grad(set_to_none=True)
-                num_tokens = batch["mask"][mini].sum().item()
-                num_segments = seg_mask[mini].sum().item()
-                loss_sum, value_loss_sum = 0.0, 0.0
-                for mb in mod.micro_batches(batch, mini, args.micro_batch_size):
-                    m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]
-                    logp, _, _ = mod.token_logps_and_entropy(s.policy, batch, mb, args,
-                                                             with_entropy=False)
-                    loss = mod.sapo_policy_loss(logp, old_logp[mb], advantages[mb], sid, sm, m,
-                                                num_tokens, args.clip_low, args.clip_high)
-                    loss.backward()
-                    values = mod.segment_state_values(mod.token_values(s.critic, batch, mb, args),
-                                                      sid, sm, m, args.value_at)
-                    value_loss = mod.sapo_value_loss(values, seg["old_values"][mb],
-                                                     seg["returns"][mb], sm, num_segments,
-                                                     args.value_clip)
-                    value_loss.backward()
-                    loss_sum += loss.item()
-                    value_loss_sum += value_loss.item()
-                    stats.append({**mod.sapo_stats(logp, old_logp[mb], advantages[mb], sid, sm, m,
-                                                   args.clip_low, args.clip_high),
-                                  **mod.value_stats(values, seg["old_values"][mb],
-                                                    seg["returns"][mb], sm, args.value_clip)})
-                stats.append(_optimizer_step(s, loss_sum))
-                stats.append(mod.critic_step(s.critic_optimizer, s.critic_scheduler, s.critic_params, args,
-                                             value_loss_sum))
-                n_opt += 1
-    metrics = mod.sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp)
-    return _work([batch], n_opt, {**metrics, **common.reduce_stats(stats)})
-
-
-STEP = {"grpo": step_grpo, "dapo": step_dapo, "tepo": step_tepo, "erpo": step_erpo,
-        "sapo": step_sapo}
-
-
-def timed_step(s: Setup) -> dict:
-    """One step of s's script: the seconds of each phase and of the whole step, and its work."""
-    clock = Clock(s.device)
-    t0 = clock.now()
-    work = STEP[s.name](s, clock)
-    step = clock.now() - t0
-    return {**{p: clock.times.get(p, 0.0) for p in PHASES}, "step": step, **work,
-            "tokens_per_s": work["tokens"] / step}
-
-
-def time_script(s: Setup, steps: int, warmup: int, label: str = "") -> list[dict]:
-    """warmup untimed steps, then `steps` timed ones; one line printed per step."""
-    rows = []
-    for i in range(warmup + steps):
-        r = timed_step(s)
-        tag = "warm-up" if i < warmup else f"{i - warmup + 1}/{steps}"
-        print(f"  {label or s.name} {tag}: {r['step']:.2f} s, {r['completions']} completions, "
-              f"{r['tokens']} tokens", flush=True)
-        if i >= warmup:
-            rows.append(r)
-    return rows
+    held = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp:
+        mod, a = bench_args(name, args, tmp, warmup + steps, **overrides)
+        harness.STEP_HOOKS.append(hook)
+        try:
+            with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+                mod.train(a)
+        except BaseException:
+            print(held.getvalue()[-3000:], file=out)
+            raise
+        finally:
+            harness.STEP_HOOKS.remove(hook)
+    return resolved["args"], rows
 
 
 # =====================================================================================
@@ -644,23 +382,31 @@ def matmul_peak(device: torch.device, n: int = 2048, reps: int = 10) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def profile_script(s: Setup, steps: int) -> str:
-    """One untimed step, then `steps` under torch.profiler; a markdown table by kind of op."""
+def profile_script(name: str, args: Args, steps: int) -> str:
+    """<name>.py's train(): one untimed step, then `steps` under torch.profiler (started and
+    stopped by the step hook); a markdown table by kind of op."""
     from torch.profiler import ProfilerActivity, profile
-    cuda = s.device.type == "cuda"
-    timed_step(s)
+    device = common.resolve_device(args.device)
+    cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, with_flops=True) as prof:
-        wall = sum(timed_step(s)["step"] for _ in range(steps))
+    prof = profile(activities=activities, with_flops=True)
+
+    def on_step(step, row):
+        if step == 1:
+            prof.__enter__()  # after the warm-up step
+        elif step == 1 + steps:
+            prof.__exit__(None, None, None)
+    _, rows = run_script(name, args, steps, warmup=1, label=f"{name} (profiled)", on_step=on_step)
+    wall = sum(r["step"] for r in rows)
     events = prof.key_averages()
     rows = op_breakdown(events, wall, steps, cuda)
-    lines = [f"{s.name}.py, {steps} step(s) under torch.profiler (which slows them: read the "
+    lines = [f"{name}.py, {steps} step(s) under torch.profiler (which slows them: read the "
              "shares, not the seconds); self time of each op, per step:", "",
              "| kind | s per step | share | GFLOP per step | GFLOP/s |", "|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | "
               f"{r['gflop']:.1f} | {r['gflop_per_s']:.0f} |" if r["gflop_per_s"] else
               f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | - | - |" for r in rows]
-    peak, mm = matmul_peak(s.device), rows[0]["gflop_per_s"] or 0.0
+    peak, mm = matmul_peak(device), rows[0]["gflop_per_s"] or 0.0
     lines += ["", f"Largest other ops, s per step: {top_other_ops(events, steps, cuda)}.", "",
               f"A 2048^3 matrix multiply ({'bf16' if cuda else 'fp32'}) runs at {peak:.0f} GFLOP/s "
               f"here; the step's matrix multiplies ran at {mm / peak:.0%} of that. When matrix "
@@ -784,24 +530,40 @@ class TRLTimer:
 
 
 def compare_with_trl(args: Args, steps: int) -> dict:
-    """grpo.py and TRL's GRPOTrainer on the same work, one rollout batch each in turn. TRL's
-    trainer runs its own train() loop; after each of its rollout batches (every
-    --num-mini-batches x --ppo-epochs optimizer steps) a callback times one grpo.py step. TRL's
-    step is the time between two callbacks, less the grpo.py step in between."""
+    """grpo.py and TRL's GRPOTrainer on the same work, one rollout batch each in turn. Both run
+    their own training loops, in two threads of this process that hand a baton back and forth:
+    grpo.py's train() in one (a step hook passes the baton after each of its steps), TRL's
+    trainer.train() in the other (a callback passes it after each rollout batch, i.e. every
+    --num-mini-batches x --ppo-epochs optimizer steps). Only one of them runs at any moment."""
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    s = setup("grpo", args.device, args.seed, prompts_per_step=args.prompts_per_step,
-              group_size=args.group_size, max_new_tokens=args.max_new_tokens)
-    a = s.args
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in s.rows])
+    grpo, ga = bench_args("grpo", args, "unused", args.warmup + steps)
+    a = grpo.resolve_args(ga)
+    tokenizer, ctx = grpo.load_tokenizer(a.model, a.trust_remote_code)
+    rows, _ = grpo.load_data(a, tokenizer, ctx)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     def boxed_reward(completions, answer, **kwargs):  # grpo.py's own reward_fn
-        return s.mod.reward_fn(completions, answer, a)[0].tolist()
+        return grpo.reward_fn(completions, answer, a)[0].tolist()
 
-    project, trl_rows = [], []
+    project, trl_rows, failed = [], [], []
+    project_turn, trl_turn = threading.Semaphore(0), threading.Semaphore(0)
     per_batch = a.num_mini_batches * a.ppo_epochs  # TRL optimizer steps per rollout batch
+
+    def project_step(step, row):  # grpo.py has done a step: TRL's turn
+        project.append(row)
+        trl_turn.release()
+        project_turn.acquire()
+
+    def run_project():
+        try:
+            run_script("grpo", args, steps, args.warmup, label="grpo.py", on_step=project_step)
+        except BaseException as e:  # re-raised below, in the main thread
+            failed.append(e)
+        finally:
+            trl_turn.release()  # never leave TRL waiting
 
     class Interleave(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -812,27 +574,28 @@ def compare_with_trl(args: Args, steps: int) -> dict:
                 return
             trl_rows.append(timer.take(time.perf_counter() - self.t, state.global_step - self.last))
             self.last = state.global_step
-            project.append(timed_step(s))  # grpo.py's step, right after TRL's
-            i = len(trl_rows) - 1
-            tag = "warm-up" if i < args.warmup else f"{i - args.warmup + 1}/{steps}"
-            print(f"  TRL {tag}: {trl_rows[-1]['step']:.2f} s   "
-                  f"grpo.py {tag}: {project[-1]['step']:.2f} s", flush=True)
+            print(f"  TRL {len(trl_rows)}/{args.warmup + steps}: {trl_rows[-1]['step']:.2f} s", flush=True)
+            project_turn.release()  # grpo.py's step, right after TRL's
+            trl_turn.acquire()
             self.t = time.perf_counter()
 
+    thread = threading.Thread(target=run_project, daemon=True)
+    thread.start()
+    trl_turn.acquire()  # grpo.py's first step is done
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 on transformers 5's renames
         cfg = GRPOConfig(**trl_config_kwargs(a, tmp, args.warmup + steps))
         trainer = GRPOTrainer(model=common.resolve_model_name(a.model), reward_funcs=boxed_reward,
-                              args=cfg, train_dataset=dataset, processing_class=s.tokenizer,
+                              args=cfg, train_dataset=dataset, processing_class=tokenizer,
                               callbacks=[Interleave()])
         trainer.remove_callback(PrinterCallback)  # its end-of-training dict
-        timer = TRLTimer(trainer, s.device)
-        probe = s.rows[0]["prompt"]
+        timer = TRLTimer(trainer, common.resolve_device(a.device))
+        probe = rows[0]["prompt"]
         gen = trainer.generation_config
         checks = {
             "same prompt token ids": trainer.processing_class(text=[probe])["input_ids"][0]
-            == s.tokenizer(probe, add_special_tokens=False)["input_ids"],
-            "reference model in both": (trainer.ref_model is not None) == (s.ref is not None),
+            == tokenizer(probe, add_special_tokens=False)["input_ids"],
+            "reference model in both": (trainer.ref_model is not None) == (a.beta > 0),
             "old log-prob pass in both": cfg.gradient_accumulation_steps
             % (cfg.steps_per_generation * cfg.num_iterations) != 0,
             "same sampling (do_sample, temperature, top_p, top_k, max_new_tokens)":
@@ -841,7 +604,12 @@ def compare_with_trl(args: Args, steps: int) -> dict:
             "same activation checkpointing":
                 bool(trainer.model.is_gradient_checkpointing) == bool(a.gradient_checkpointing),
         }
-        trainer.train()
+        if not failed:
+            trainer.train()
+    project_turn.release()  # if TRL stopped early, let grpo.py finish
+    thread.join()
+    if failed:
+        raise failed[0]
     return {"project": project[args.warmup:], "trl": trl_rows[args.warmup:], "checks": checks,
             "config": {k: getattr(cfg, k) for k in (
                 "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -914,13 +682,13 @@ def forced_length(mod):
 
 
 def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
-    """One fresh setup per point (the script's tiny preset with one knob changed), one warm-up
-    step, then --curve-steps timed steps. The --max-new-tokens sweep forces every completion to
+    """One run of the script's train() per point (its tiny preset with one knob changed), one
+    warm-up step, then --curve-steps timed steps. The --max-new-tokens sweep forces every completion to
     its cap (forced_length); the G and P sweeps keep natural lengths. Returns the CSV's rows and
     whether the PNG was drawn."""
     name = args.curve_script
-    base = setup(name, args.device, args.seed, prompts_per_step=args.prompts_per_step,
-                 group_size=args.group_size, max_new_tokens=args.max_new_tokens).args
+    mod, a = bench_args(name, args, "unused", 1)
+    base = mod.resolve_args(a)  # the preset's P, G and length cap, or bench's flags
     sweeps = [("max_new_tokens", int_list(args.curve_max_new_tokens, "--curve-max-new-tokens")),
               ("group_size", int_list(args.curve_group_sizes, "--curve-group-sizes")),
               ("prompts_per_step", int_list(args.curve_prompts, "--curve-prompts"))]
@@ -931,9 +699,8 @@ def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
         if key not in done:
             label = (f"{name} P={point['prompts_per_step']} G={point['group_size']} "
                      f"T={point['max_new_tokens']}{' (forced length)' if forced else ''}")
-            s = setup(name, args.device, args.seed, **point)
-            with forced_length(s.mod) if forced else contextlib.nullcontext():
-                done[key] = summarize(time_script(s, args.curve_steps, 1, label))
+            with forced_length(mod) if forced else contextlib.nullcontext():
+                done[key] = summarize(run_script(name, args, args.curve_steps, 1, label, **point)[1])
         m = done[key]
         rows.append({"script": name, "sweep": knob, **point, "forced_length": forced,
                      "completions": m["completions"],
@@ -1068,7 +835,7 @@ def estimate_report() -> str:
     lines += ["", "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
               "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
               "step towards the memory-bound time in brackets. A real run logs `time/generate`, "
-              "`time/train` and `tokens_per_s` in metrics.jsonl: check these numbers there."]
+              "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers there."]
     return "\n".join(lines)
 
 
@@ -1095,11 +862,9 @@ def run(args: Args) -> dict:
     results, step_rows = {}, []
     for name in resolve_scripts(args.scripts):
         print(f"{name}.py: {args.warmup} warm-up + {args.steps} timed steps", flush=True)
-        s = setup(name, args.device, args.seed, prompts_per_step=args.prompts_per_step,
-                  group_size=args.group_size, max_new_tokens=args.max_new_tokens)
-        rows = time_script(s, args.steps, args.warmup)
+        resolved, rows = run_script(name, args, args.steps, args.warmup)
         step_rows += [{"script": name, "step": i + 1, **r} for i, r in enumerate(rows)]
-        results[name] = (s.args, summarize(rows))
+        results[name] = (resolved, summarize(rows))
     table = script_table(results)
     print("\n" + table + "\n")
     cap = next(iter(results.values()))[0].max_new_tokens
@@ -1110,9 +875,7 @@ def run(args: Args) -> dict:
     if args.profile_steps:
         name = next(iter(results))
         print(f"{name}.py under torch.profiler: {args.profile_steps} step(s)", flush=True)
-        breakdown = profile_script(setup(name, args.device, args.seed, prompts_per_step=args.prompts_per_step,
-                                         group_size=args.group_size, max_new_tokens=args.max_new_tokens),
-                                   args.profile_steps)
+        breakdown = profile_script(name, args, args.profile_steps)
         print("\n" + breakdown + "\n")
         md += ["## Where a step's time goes", "", breakdown, ""]
 
@@ -1166,7 +929,7 @@ def run(args: Args) -> dict:
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
-    with common.user_errors():
+    with harness.user_errors():
         return run(args)
 
 

@@ -3,11 +3,11 @@ claim, "reducing convergence time by 50% compared with GRPO/DAPO" (its abstract)
 does not define convergence time; here it is the steps, and the wall-clock seconds, a run takes
 to first reach a fixed held-out accuracy (our reading).
 
-    python study.py                          # every default config x seeds 1,2,3, one run at a time
-    python study.py --jobs 2                 # two runs at once, each with half the CPU cores
-    python study.py --configs grpo,dapo,tepo --seeds 1,2,3,4,5 --steps 320
-    python study.py --no-run                 # only re-aggregate what is already in runs/study
-    python study.py --extra "--device cuda"  # flags given to every run alike
+    python tools/study.py                    # every default config x seeds 1,2,3, one run at a time
+    python tools/study.py --jobs 2           # two runs at once, each with half the CPU cores
+    python tools/study.py --configs grpo,dapo,tepo --seeds 1,2,3,4,5 --steps 320
+    python tools/study.py --no-run           # only re-aggregate what is already in runs/study
+    python tools/study.py --extra "--device cuda"  # flags given to every run alike
 
 The full default study is 27 runs of 160 steps: 67 minutes at --jobs 2 on a quiet 2-core CPU
 (measured on 2026-12-01; its results are in docs/study/).
@@ -73,10 +73,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import common
-from common import UserError, arg
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts and common.py live there
+sys.path.insert(0, str(ROOT))
 
-ROOT = Path(__file__).resolve().parent
+import common  # noqa: E402
+import harness  # noqa: E402
+from common import UserError, arg  # noqa: E402
 
 
 # =====================================================================================
@@ -85,7 +87,7 @@ ROOT = Path(__file__).resolve().parent
 @dataclass
 class Args:
     configs: str | None = arg(None, "comma list of configs (default: every config whose script "
-                              "exists; they are listed at the top of study.py)")
+                              "exists; they are listed at the top of tools/study.py)")
     seeds: str = arg("1,2,3", "comma list of seeds; every config runs every seed")
     steps: int | None = arg(None, "training steps per run (default: the scripts' own, 160 on the "
                             "tiny task); a finished run with fewer steps is continued to this many")
@@ -175,7 +177,7 @@ def plan_run(run_dir: Path, steps: int | None) -> str:
         return "resume" if steps is not None and done < steps else "skip"
     if (run_dir / "latest").is_file() or any(run_dir.glob("checkpoint-*/trainer_state.pt")):
         return "resume"
-    return "restart" if run_dir.is_dir() and common.started(run_dir) else "fresh"
+    return "restart" if run_dir.is_dir() and harness.started(run_dir) else "fresh"
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -187,7 +189,7 @@ def move_aside(run_dir: Path) -> Path:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    return int(common.find_checkpoint(run_dir).name.split("-")[-1])
+    return int(harness.find_checkpoint(run_dir).name.split("-")[-1])
 
 
 def read_resumes(path: Path) -> set[int]:
@@ -360,7 +362,7 @@ def load_runs(out: Path, configs: list[str], seeds: list[int]):
                 if run_dir.is_dir():
                     unfinished.append(name)
                 continue
-            rows = common.read_metrics(run_dir)
+            rows = harness.read_metrics(run_dir)
             secs = elapsed_seconds(rows, read_resumes(out / "logs" / f"{name}.resumes"))
             runs[config, seed] = [{**r, "seconds": s} for r, s in zip(rows, secs)]
     return runs, unfinished
@@ -739,7 +741,7 @@ def study(args: Args) -> int:
 
 def main(argv=None) -> int:
     args = common.parse_args(Args, argv)
-    with common.user_errors():
+    with harness.user_errors():
         return study(args)
 
 

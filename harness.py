@@ -1,0 +1,587 @@
+"""The run harness: everything about a training run that is not RL, behind a few calls.
+
+    run = Run(args, "grpo", resolve_args)     # folder, lock, --resume, seeding, signals, logging
+    start = run.attach(models=..., tokenizer=..., state=...)  # what a checkpoint holds
+    for step in run.steps(start): ...; run.end_step(step, metrics)  # log, bar, save, stop
+    return run.finish()                        # summary.json and the closing lines
+
+A reader of an algorithm script never needs this file to see what is learned. It keeps the
+promises of the README: a run folder is locked while a run writes it; a run is never lost
+(checkpoints are written to a temporary folder, fsynced, renamed into place, then pointed to by
+`latest`; Ctrl-C / SIGTERM finish the step and save); --resume is exact; and every failure the
+user can cause or meet (a changed flag on --resume, a full disk) is one line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from html import escape
+from pathlib import Path
+
+import torch
+
+from common import UserError, first_line, resolve_device, seed_everything, warn
+
+# Callables (run, step, metrics) called after every step is logged and before it is saved;
+# tools/bench.py times the scripts' own steps through it. Empty in a normal run.
+STEP_HOOKS: list = []
+# The flags a --resume may change, because they do not change what is learned.
+RESUMABLE = ("steps", "device", "save_every", "keep_checkpoints", "sample_every", "tensorboard", "resume")
+BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent", "completion_len": "len",
+               "tokens_per_s": "tok/s"}
+STALL_STEPS = 5  # steps in a row with (almost) no learning signal before a warning
+_ACTIVE_RUNS: list = []
+
+
+def _say(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(msg)
+
+
+# =====================================================================================
+# Writing files: a full disk or a read-only folder is one line, never a traceback
+# =====================================================================================
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
+
+
+@contextlib.contextmanager
+def writing(what: str, where: Path, need: int = 0, kept: str = ""):
+    """Around every write of the harness: an error (OSError, or a serializer's I/O error, which
+    safetensors and torch.save raise as other types) becomes one line that names what could not
+    be written and where; when the disk has less room than `need` bytes, it says so and how much."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        try:
+            free = shutil.disk_usage(where if where.is_dir() else where.parent).free
+        except OSError:
+            free = None
+        why = first_line(e)
+        if need and free is not None and free < need:
+            why = f"not enough disk space (it needs about {_mb(need)}, {_mb(free)} free; {why})"
+        raise UserError(f"cannot write {what} in {where}: {why}{kept}") from None
+
+
+def write_text(path: Path, text: str, what: str | None = None) -> None:
+    """A small file, whole or not at all: written beside, then renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(what or path.name, path.parent):
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+# =====================================================================================
+# Logging
+# =====================================================================================
+def _json_value(v):
+    """Strict JSON, and no rounding to 0: floats keep 6 significant digits; NaN and inf become null."""
+    if isinstance(v, float):
+        return float(f"{v:.6g}") if math.isfinite(v) else None
+    return v
+
+
+class RunLogger:
+    """Metrics to runs/<name>/metrics.jsonl always, and to TensorBoard when it is installed."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        with writing("metrics.jsonl", self.run_dir):
+            self.file = open(self.run_dir / "metrics.jsonl", "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception:  # tensorboard not installed
+                self.tb = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": round(time.time(), 3), **{k: _json_value(v) for k, v in metrics.items()}}
+        with writing(f"step {step} to metrics.jsonl", self.run_dir):
+            self.file.write(json.dumps(row, allow_nan=False) + "\n")
+            self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a full disk may refuse the last flush: already reported
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# =====================================================================================
+# Checkpoints: written to a temporary folder, renamed into place, then pointed to
+# =====================================================================================
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # not supported on every filesystem
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("-")[-1])
+    except ValueError:
+        return -1
+
+
+def _bytes(obj) -> int:
+    """Bytes of the tensors in a model, or in a (nested) state dict."""
+    if isinstance(obj, torch.nn.Module):
+        return sum(p.numel() * p.element_size() for p in obj.state_dict().values())
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes(v) for v in obj)
+    return 0
+
+
+def save_checkpoint(run_dir: Path, step: int, models: dict, tokenizer, trainer_state: dict,
+                    optimizer_state: dict | None = None, keep: int = 2) -> Path:
+    """runs/<name>/checkpoint-<step>/: the policy as save_pretrained (safetensors, loadable by
+    from_pretrained and eval.py) with its tokenizer; other models (a critic) in subfolders named
+    by their key in `models` ("" is the folder itself); trainer_state.pt (step, RNG, sampler,
+    scheduler, args); optimizer.pt, which only the newest checkpoint keeps (it is 2x the
+    weights). A kill at any moment leaves a complete checkpoint that `latest` points to; a write
+    that fails (a full disk) removes the temporary folder and leaves the previous one in place."""
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / f"checkpoint-{step}", run_dir / f".tmp-checkpoint-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    need = sum(_bytes(m) for m in models.values()) + _bytes(optimizer_state) + (1 << 20)
+    try:
+        with writing(f"checkpoint-{step}", run_dir, need, kept="; the previous checkpoint and 'latest' are kept"):
+            tmp.mkdir(parents=True)
+            for name, model in models.items():
+                model.save_pretrained(tmp / name, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            if optimizer_state is not None:
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+            torch.save(trainer_state, tmp / "trainer_state.pt")  # written last: its presence marks a whole folder
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+    except UserError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    trash = run_dir / f".trash-checkpoint-{step}"
+    if final.exists():  # re-saving a step: move the old folder aside, never delete it first
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    _fsync(run_dir)
+    with writing("the 'latest' pointer", run_dir, kept=f"; {final.name} is whole"):
+        pointer = run_dir / ".latest.tmp"
+        with open(pointer, "w") as fh:
+            fh.write(final.name + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(pointer, run_dir / "latest")  # the pointer moves only once the folder is whole
+    _fsync(run_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+    ckpts = sorted(run_dir.glob("checkpoint-*"), key=_step_of)
+    for old in ckpts[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for old in ckpts[-keep:-1] if keep > 1 else []:
+        (old / "optimizer.pt").unlink(missing_ok=True)  # only the newest keeps the optimizer
+    return final
+
+
+def clean_leftovers(run_dir: Path) -> None:
+    """After a kill: drop half-written folders; put back an old folder a re-save had moved aside."""
+    run_dir = Path(run_dir)
+    for tmp in run_dir.glob(".tmp-checkpoint-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for trash in run_dir.glob(".trash-checkpoint-*"):
+        final = run_dir / trash.name.replace(".trash-", "")
+        if final.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(trash, final)
+    (run_dir / ".latest.tmp").unlink(missing_ok=True)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder whose `latest` file names one (or, if that one is
+    gone, the newest whole checkpoint in it)."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        target = path / (path / "latest").read_text().strip()
+        if not (target / "trainer_state.pt").is_file():
+            whole = [p for p in path.glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
+            target = max(whole, key=_step_of) if whole else target
+        path = target
+    if not (path / "trainer_state.pt").is_file():
+        raise UserError(f"no checkpoint at {str(path)!r} (expected a run folder with a 'latest' "
+                        f"file, or a checkpoint-N folder with trainer_state.pt)")
+    return path
+
+
+def load_trainer_state(ckpt: Path, name: str = "trainer_state.pt") -> dict:
+    try:
+        return torch.load(Path(ckpt) / name, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {str(ckpt)!r} is unreadable ({type(e).__name__}: "
+                        f"{first_line(e) if str(e) else 'corrupt file'})") from None
+
+
+# =====================================================================================
+# The run folder: a lock for the life of a run, and what counts as a run already started
+# =====================================================================================
+def lock_run_folder(run_dir: Path):
+    """An exclusive lock on run_dir/.lock, held until the run closes (the system drops it if the
+    process dies). A second process on the same folder gets one line naming the first."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    with writing("the run folder's lock file", run_dir):
+        f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"run folder {str(run_dir)!r} is in use by {holder}; wait for it to end or stop "
+                        f"it, or give another --run-name") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+    f.flush()
+    return f
+
+
+def run_folder_of(resume: str) -> Path:
+    """The run folder a --resume path belongs to: itself, or the parent of a checkpoint-N folder."""
+    path = Path(resume)
+    return path.parent if (path / "trainer_state.pt").is_file() and not (path / "latest").is_file() else path
+
+
+def started(run_dir: Path) -> bool:
+    """Has a run already logged or saved something in this folder? (A start that failed before its
+    first step leaves only args.json, and may be retried in place.)"""
+    metrics = run_dir / "metrics.jsonl"
+    return ((metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "latest").exists()
+            or any(run_dir.glob("checkpoint-*")))
+
+
+def changed_flags(args, saved, defaults) -> list[str]:
+    """The flags given on a --resume (different from their defaults) that differ from the saved run's."""
+    def flag(k):
+        return "--" + k.replace("_", "-")
+    return [f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
+            for k in (f.name for f in dataclasses.fields(args)) if k not in RESUMABLE
+            and getattr(args, k) != getattr(defaults, k) and getattr(args, k) != getattr(saved, k)]
+
+
+# =====================================================================================
+# The run: folder, --resume, Ctrl-C / SIGTERM, progress bar, checkpoints, summary
+# =====================================================================================
+class Run:
+    """A new run refuses an existing folder; --resume DIR continues in DIR itself with the saved
+    arguments (a flag that would change them is an error; RESUMABLE ones may change), cuts
+    metrics.jsonl back to the checkpoint's step, and cleans what a kill left behind. The folder
+    is locked for the life of the run. The first Ctrl-C or SIGTERM finishes the step, saves,
+    and exits (130 / 143); a second Ctrl-C stops at once."""
+
+    def __init__(self, args, algo: str, resolve):
+        self.algo, self.ckpt, self.state, self.lock = algo, None, None, None
+        self.logger, self.bar, self._previous = None, None, {}
+        _ACTIVE_RUNS.append(self)
+        try:
+            self._open(args, resolve)
+        except BaseException:  # a run that cannot start leaves no lock or handler behind
+            self.close()
+            raise
+
+    def _open(self, args, resolve) -> None:
+        algo = self.algo
+        if args.resume:
+            self.dir = run_folder_of(args.resume)
+            if self.dir.is_dir():
+                self.lock = lock_run_folder(self.dir)  # before reading: another run may be pruning
+            self.ckpt = find_checkpoint(args.resume)
+            self.state = load_trainer_state(self.ckpt)
+            try:
+                saved = type(args)(**self.state["args"])
+            except (TypeError, KeyError):
+                raise UserError(f"checkpoint {str(self.ckpt)!r} was not written by {algo}.py "
+                                f"(its arguments differ)") from None
+            changed = changed_flags(args, saved, type(args)())
+            if changed:
+                raise UserError(f"--resume keeps the run's arguments, but {'; '.join(changed)}: only "
+                                f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[:-1])} may "
+                                f"change; start a new run to change the others")
+            for k in RESUMABLE:
+                if getattr(args, k) != getattr(type(args)(), k):
+                    setattr(saved, k, getattr(args, k))
+            self.dir = self.ckpt.parent  # resume writes where it was pointed, even in a copied run
+            saved.output_dir, saved.run_name = str(self.dir.parent), self.dir.name
+            args = saved
+        self.args = args = resolve(args)
+        self.device = resolve_device(args.device)
+        if self.ckpt is None:
+            self.dir = Path(args.output_dir) / args.run_name
+            with writing("the run folder", self.dir.parent if self.dir.parent.exists() else Path.cwd()):
+                self.dir.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_run_folder(self.dir)
+            if started(self.dir):
+                raise UserError(f"run folder {str(self.dir)!r} already exists: continue it with "
+                                f"--resume {self.dir}, or pick another --run-name")
+            write_text(self.dir / "args.json", json.dumps(dataclasses.asdict(args), indent=2))
+        else:
+            clean_leftovers(self.dir)
+            self._cut_metrics(self.state["step"])
+        seed_everything(args.seed)
+        self.logger = RunLogger(self.dir, args.tensorboard)
+        self.stop_signal, self.last_metrics, self._stalled = None, None, 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    # --- resume ---------------------------------------------------------------------
+    def weights(self, name: str = "", default: str | None = None) -> str:
+        """Where to load model `name` from: the checkpoint being resumed, else `default`."""
+        if self.ckpt is not None:
+            return str(self.ckpt / name)
+        return default if default is not None else self.args.model
+
+    def attach(self, models: dict, tokenizer, state: dict) -> int:
+        """Register what a checkpoint holds (models by subfolder, "" for the policy; objects with
+        state_dict / load_state_dict, those named *optimizer* kept only in the newest checkpoint).
+        On --resume load their saved state and the RNG. Returns the step to start after."""
+        self.models, self.tokenizer, self.stateful = models, tokenizer, state
+        if self.state is None:
+            return 0
+        opt_file = self.ckpt / "optimizer.pt"
+        opt_state = load_trainer_state(self.ckpt, "optimizer.pt") if opt_file.is_file() else None
+        for k, obj in state.items():
+            if "optimizer" not in k:
+                obj.load_state_dict(self.state[k])
+            elif opt_state is None:
+                warn(f"{self.ckpt.name} keeps no optimizer state (only the newest checkpoint does): "
+                     f"AdamW moments start from zero")
+            else:
+                obj.load_state_dict(opt_state[k])
+        set_rng_state(self.state["rng"])
+        print(f"resumed {self.dir} from {self.ckpt.name} at step {self.state['step']}")
+        return self.state["step"]
+
+    def _cut_metrics(self, step: int) -> None:
+        """Rows logged after the checkpoint (a crash between saves) would be logged again."""
+        path = self.dir / "metrics.jsonl"
+        if path.is_file():
+            keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+            write_text(path, "".join(line + "\n" for line in keep))
+
+    # --- the loop ---------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        if self.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        _say(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+
+    def steps(self, start: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(range(start + 1, self.args.steps + 1), initial=start, total=self.args.steps,
+                        desc=self.algo, dynamic_ncols=True)
+        return self.bar
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.logger.log(step, metrics)
+        if "eval/greedy_acc" in metrics:
+            _say(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
+                 f"sampled acc {metrics['eval/sampled_acc']:.3f}")
+
+    def end_step(self, step: int, metrics: dict) -> None:
+        """Log the step, update the bar, warn if nothing can be learned, save when due or asked."""
+        self.log(step, metrics)
+        self.last_metrics = metrics
+        if self.bar is not None:
+            self.bar.set_postfix({short: f"{metrics[k]:.3g}" if abs(metrics[k]) < 1000 else f"{metrics[k]:.0f}"
+                                  for k, short in BAR_FIGURES.items() if k in metrics})
+        self._check_signal(metrics)
+        for hook in STEP_HOOKS:
+            hook(self, step, metrics)
+        if step % self.args.save_every == 0 or step == self.args.steps or self.stop_signal:
+            path = self.save(step)
+            if self.stop_signal:
+                _say(f"stopped: saved {path}; continue with: python {self.algo}.py --resume {self.dir}")
+                raise SystemExit(130 if self.stop_signal == signal.SIGINT else 143)
+
+    def _check_signal(self, m: dict) -> None:
+        """A run whose rewards never differ within a group learns nothing: say so, and why."""
+        silent = m.get("unparsable_frac", 0) >= 0.9 or m.get("zero_std_frac", 0) >= 0.9
+        self._stalled = self._stalled + 1 if silent else 0
+        if self._stalled == STALL_STEPS:
+            warn(f"{STALL_STEPS} steps in a row with almost no learning signal "
+                 f"({m.get('unparsable_frac', 0):.0%} of completions had no parsable answer, "
+                 f"{m.get('zero_std_frac', 0):.0%} of groups had equal rewards, "
+                 f"{m.get('truncated_frac', 0):.0%} were cut off). Likely causes: the model does "
+                 f"not put its answer in \\boxed{{}} (check --template, or use --answer-extraction "
+                 f"math_verify), completions are cut off (raise --max-new-tokens), or the task is "
+                 f"far too hard or too easy for the model")
+
+    def save(self, step: int) -> Path:
+        for name, model in self.models.items():
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                raise UserError(f"the weights of {name or 'the policy'} are not finite at step {step}; "
+                                f"not saved (the last good checkpoint is kept in {self.dir})")
+        small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
+        big = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" in k}
+        trainer_state = {"step": step, "rng": rng_state(), "args": dataclasses.asdict(self.args), **small}
+        return save_checkpoint(self.dir, step, self.models, self.tokenizer, trainer_state, big,
+                               self.args.keep_checkpoints)
+
+    def write_samples(self, step: int, tokenizer, batch: dict, rewards, advantages, per_token: dict,
+                      k: int = 4) -> Path:
+        """runs/<run>/samples/step-<N>.html: k completions, each token coloured by one of the
+        algorithm's per-token quantities (a menu switches between them), every value on hover."""
+        rows = []
+        for b in range(min(k, len(batch["texts"]))):
+            n = int(batch["mask"][b].sum())
+            header = f"reward {float(rewards[b]):+.3f}"
+            if advantages.dim() == 1:
+                header += f"   advantage {float(advantages[b]):+.3f}"
+            rows.append({"header": header, "prompt": batch["prompts"][b],
+                         "tokens": [tokenizer.decode([i]) for i in batch["completion_ids"][b, :n].tolist()],
+                         "values": {name: [float(x) for x in v[b, :n].tolist()] for name, v in per_token.items()}})
+        path = self.dir / "samples" / f"step-{step}.html"
+        with writing(path.name, path.parent.parent):
+            path.parent.mkdir(exist_ok=True)
+        write_text(path, token_html(f"{self.algo} run {self.dir.name}, step {step}", rows))
+        return path
+
+    # --- the end ----------------------------------------------------------------------
+    def finish(self) -> dict:
+        self.close()
+        summary = {"run_dir": str(self.dir), "steps": self.args.steps}
+        evals = [m for m in read_metrics(self.dir) if "eval/sampled_acc" in m]
+        if evals:
+            summary["first_eval"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
+            summary["last_eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+        if self.last_metrics:
+            summary["last_step"] = {k: _json_value(v) for k, v in self.last_metrics.items() if isinstance(v, float)}
+        write_text(self.dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
+        print(f"\ndone: {self.args.steps} steps, run folder {self.dir}")
+        if evals:
+            f, last = evals[0], evals[-1]
+            print(f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> {last['eval/greedy_acc']:.3f}   "
+                  f"sampled {f['eval/sampled_acc']:.3f} -> {last['eval/sampled_acc']:.3f}")
+        return summary
+
+    def close(self) -> None:
+        if self not in _ACTIVE_RUNS:
+            return
+        _ACTIVE_RUNS.remove(self)
+        if self.bar is not None:
+            self.bar.close()
+        if self.logger is not None:
+            self.logger.close()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self.lock is not None:
+            self.lock.close()  # releases the lock
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Around a script's main: a UserError is one line on stderr and exit code 2, and whatever
+    happens, open runs close (log files, signal handlers, the folder's lock)."""
+    try:
+        yield
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        for run in list(_ACTIVE_RUNS):
+            run.close()
+
+
+# =====================================================================================
+# Per-token HTML samples: one self-contained file, no network
+# =====================================================================================
+def _colour(v: float, lo: float, hi: float) -> str:
+    """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
+    if lo < 0 < hi:
+        s = v / max(abs(lo), abs(hi)) if v else 0.0
+        r, g, b = (255, int(255 * (1 - s)), int(255 * (1 - s))) if s > 0 else (int(255 * (1 + s)),) * 2 + (255,)
+    else:
+        s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
+        r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
+    return f"rgb({r},{g},{b})"
+
+
+def token_html(title: str, rows: list[dict]) -> str:
+    """rows: {"header", "prompt", "tokens": [str], "values": {name: [float per token]}}. Each
+    token is a <span class="tok"> with data-<name> colours and a title listing every value."""
+    names = list(rows[0]["values"]) if rows else []
+    every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
+    ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
+    out = [f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
+           "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+           ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
+           ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
+           f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
+           *[f"<option>{escape(n)}</option>" for n in names], "</select> (hover a token for every value)</p>"]
+    for r in rows:
+        out.append(f"<div class='sample'><b>{escape(r['header'])}</b>"
+                   f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>")
+        for t, tok in enumerate(r["tokens"]):
+            vals = {n: r["values"][n][t] for n in names}
+            data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
+            tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
+            out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
+        out.append("</div></div>")
+    out.append("<script>function paint(){var q=document.getElementById('q').value;"
+               "document.querySelectorAll('.tok').forEach(function(e){"
+               "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>")
+    return "\n".join(out)

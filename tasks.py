@@ -1,0 +1,304 @@
+"""What the model is asked and how its answer is graded: the environment of every script.
+
+The bundled tiny task (short arithmetic for the tiny model), the prompt templates, loading
+problems from the hub or a local file, the endless shuffled prompt sampler, and the grader:
+the final answer (the last \\boxed{}, or math-verify's own extraction from free text) compared
+with the reference by math-verify, gold first, behind a time bound, never executing model text.
+What a reward *means* is written out in each script's reward_fn; this module only grades.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import random
+import re
+import signal
+import threading
+import zlib
+from pathlib import Path
+
+from common import UserError, first_line
+
+# =====================================================================================
+# The bundled tiny task: short multi-step arithmetic ending in \boxed{}
+# =====================================================================================
+TINY_MAX_OPERAND = 9
+
+
+def tiny_example(a: int, o1: str, b: int, o2: str, c: int) -> dict:
+    """'7+5-8' -> steps '7+5=12', '12-8=4', then '\\boxed{4}' (left to right)."""
+    s1 = a + b if o1 == "+" else a - b
+    s2 = s1 + c if o2 == "+" else s1 - c
+    problem = f"{a}{o1}{b}{o2}{c}"
+    solution = f"{a}{o1}{b}={s1}\n{s1}{o2}{c}={s2}\n\\boxed{{{s2}}}"
+    return {"problem": problem, "solution": solution, "answer": str(s2)}
+
+
+def tiny_is_heldout(problem: str) -> bool:
+    """A fixed hash of the problem text decides its split, so train and held-out are disjoint."""
+    return zlib.crc32(problem.encode()) % 8 == 0
+
+
+def tiny_task(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    """Up to n problems of one split ('train': 3500 in all, 'test': 500), shuffled by seed."""
+    if split not in ("train", "test"):
+        raise UserError(f"the tiny task has splits 'train' and 'test', not {split!r}")
+    r = range(TINY_MAX_OPERAND + 1)
+    every = [tiny_example(a, o1, b, o2, c) for a in r for o1 in "+-" for b in r for o2 in "+-" for c in r]
+    out = [e for e in every if tiny_is_heldout(e["problem"]) == (split == "test")]
+    random.Random(f"tiny-{split}-{seed}").shuffle(out)
+    return out[:n]
+
+
+# =====================================================================================
+# Prompt templates
+# =====================================================================================
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+TEMPLATES = ("qwen_math", "tiny", "plain")
+
+
+def build_prompt(tokenizer, problem: str, template: str) -> str:
+    """Text of the prompt. qwen_math: the Qwen2.5-Math system prompt through the chat
+    template (as in the Dr. GRPO and Qwen harnesses); tiny: the bare problem as a user turn;
+    plain: the problem text followed by the qwen_math instruction, no chat template."""
+    has_chat = getattr(tokenizer, "chat_template", None) is not None
+    if template == "qwen_math":
+        if not has_chat:
+            return f"{problem}\n{QWEN_MATH_SYSTEM}\n"
+        msgs = [{"role": "system", "content": QWEN_MATH_SYSTEM}, {"role": "user", "content": problem}]
+    elif template == "tiny":
+        if not has_chat:
+            return f"{problem}\n"
+        msgs = [{"role": "user", "content": problem}]
+    elif template == "plain":
+        return f"{problem}\n{QWEN_MATH_SYSTEM}\n"
+    else:
+        raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}")
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+# =====================================================================================
+# Datasets
+# =====================================================================================
+# Short name -> (hub id, config, problem column, answer column, answer is a full solution
+# whose last \boxed{} holds the answer)
+HUB_DATASETS = {
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default", "problem", "solution", True),
+    "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "en", "prompt", "solution", False),
+}
+for _short, _spec in list(HUB_DATASETS.items()):
+    HUB_DATASETS[_spec[0]] = _spec  # the full hub id works too
+
+
+def load_problems(dataset: str, split: str = "train", problem_column: str | None = None,
+                  answer_column: str | None = None, answer_from_boxed: bool | None = None,
+                  limit: int | None = None, seed: int = 0) -> list[dict]:
+    """A list of {'problem', 'answer'} from: 'tiny' (generated), a short name or hub id in
+    HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file."""
+    if dataset == "tiny":
+        return [{"problem": e["problem"], "answer": e["answer"]} for e in tiny_task(split, limit, seed)]
+    import datasets as hf_datasets  # heavy import, only when needed
+
+    config, boxed = None, False
+    p_col, a_col = "problem", "answer"
+    if dataset in HUB_DATASETS:
+        hub_id, config, p_col, a_col, boxed = HUB_DATASETS[dataset]
+    p_col, a_col = problem_column or p_col, answer_column or a_col
+    boxed = boxed if answer_from_boxed is None else answer_from_boxed
+    path = Path(dataset).expanduser()
+    try:
+        if path.suffix in (".jsonl", ".json", ".parquet"):
+            if not path.is_file():
+                raise UserError(f"dataset file {dataset!r} does not exist")
+            if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_text().strip()):
+                raise UserError(f"dataset file {dataset!r} is empty")
+            kind = "parquet" if path.suffix == ".parquet" else "json"
+            ds = hf_datasets.load_dataset(kind, data_files=str(path), split="train")
+        elif path.exists():
+            raise UserError(f"dataset {dataset!r}: expected a .jsonl, .json or .parquet file")
+        else:
+            hub_id = HUB_DATASETS[dataset][0] if dataset in HUB_DATASETS else dataset
+            ds = hf_datasets.load_dataset(hub_id, config, split=split)
+    except UserError:
+        raise
+    except Exception as e:  # hub errors, bad files: one line, not a deep traceback
+        raise UserError(f"cannot load dataset {dataset!r} (split {split!r}): {first_line(e)}") from None
+    missing = [c for c in (p_col, a_col) if c not in ds.column_names]
+    if missing:
+        raise UserError(f"dataset {dataset!r} has no column {missing[0]!r} (columns: "
+                        f"{', '.join(ds.column_names)}); set --problem-column / --answer-column")
+    rows, dropped = [], 0
+    for p, a in zip(ds[p_col], ds[a_col]):
+        if a is not None:  # a null answer must not be graded as the text "None"
+            a = last_boxed(str(a)) if boxed else str(a).strip()
+        if p and a:
+            rows.append({"problem": str(p), "answer": a})
+        else:
+            dropped += 1
+    if not rows:
+        raise UserError(f"dataset {dataset!r} has no rows with both a problem and an answer")
+    if dropped:
+        print(f"{dataset}: dropped {dropped} of {len(rows) + dropped} rows with no problem or no answer")
+    if limit is not None and limit < len(rows):
+        rows = random.Random(seed).sample(rows, limit)
+    return rows
+
+
+class PromptSampler:
+    """Endless shuffled passes over a list of problems; its state saves and restores exactly."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._perm = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        idx = list(range(self.n))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(idx)
+        return idx
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation()
+            out.append(self._perm[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._perm = self._permutation()
+
+
+# =====================================================================================
+# The grader: math-verify behind a time bound, never executing model text
+# =====================================================================================
+def boxed_answers(text: str) -> list[str]:
+    """Contents of every \\boxed{...} (or \\fbox{...}) in order, braces matched; unclosed ones skipped."""
+    out, pos = [], 0
+    while True:
+        starts = [i for i in (text.find("\\boxed{", pos), text.find("\\fbox{", pos)) if i >= 0]
+        if not starts:
+            return out
+        i = text.index("{", min(starts)) + 1
+        depth, j = 1, i
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            out.append(text[i : j - 1].strip())
+        pos = i
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces matched; None if absent."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, j = 1, i
+    while j < len(text):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+        j += 1
+    return None  # unclosed box
+
+
+_INT = re.compile(r"-?\d{1,30}")
+MAX_ANSWER_CHARS = 1000  # longer "answers" are refused before any parsing
+MAX_TEXT_CHARS = 20000  # math_verify extraction reads at most the last this many characters
+MAX_BOXES = 10  # an answer spread over more boxes than this is not joined
+
+
+@dataclasses.dataclass
+class Grade:
+    correct: bool
+    parsed: bool  # False when no answer could be extracted or parsed
+    pred: str | None
+
+
+def _verify_latex(gold: str, pred: str, timeout_s: int, free_text: bool = False) -> tuple[bool, bool]:
+    """math-verify on `pred`, read as the content of a box, or (free_text) as a whole completion
+    whose final answer math-verify finds itself."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout_s)
+    pred_parsed = parse(pred if free_text else f"\\boxed{{{pred}}}", parsing_timeout=timeout_s)
+    if not pred_parsed:
+        return False, False
+    if not gold_parsed:
+        return False, True
+    # gold first: math-verify's comparison is deliberately asymmetric
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s)), True
+
+
+_POOL: concurrent.futures.ProcessPoolExecutor | None = None
+
+
+@atexit.register
+def _close_pool() -> None:
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
+
+
+def _verify_in_subprocess(gold: str, pred: str, timeout_s: int, free_text: bool) -> tuple[bool, bool]:
+    """Off the main thread SIGALRM cannot interrupt math-verify, so a worker process runs it
+    and is killed if it overruns."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ProcessPoolExecutor(max_workers=1)
+    fut = _POOL.submit(_verify_latex, gold, pred, 0, free_text)  # 0: no alarm inside the worker
+    try:
+        return fut.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        for p in list(getattr(_POOL, "_processes", {}).values()):
+            p.kill()
+        _POOL.shutdown(wait=False, cancel_futures=True)
+        _POOL = None
+        return False, True
+
+
+def math_equal(gold: str, pred: str, timeout_s: int = 5, free_text: bool = False) -> tuple[bool, bool]:
+    """(correct, parsed): math_verify.verify(gold, pred), bounded to about `timeout_s` seconds per
+    parse and per comparison wherever it runs. Plain integers on both sides are compared
+    directly (math-verify gives the same verdict, 1000x faster)."""
+    if not free_text and _INT.fullmatch(pred) and _INT.fullmatch(gold.strip()):
+        return int(pred) == int(gold.strip()), True
+    try:
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM"):
+            return _verify_latex(gold, pred, timeout_s, free_text)
+        return _verify_in_subprocess(gold, pred, timeout_s, free_text)
+    except Exception:  # math-verify raises on some malformed input: a wrong answer, not a crash
+        return False, False
+
+
+def grade(completion: str, gold: str, timeout_s: int = 5, extraction: str = "boxed") -> Grade:
+    """Is the completion's final answer equal to `gold`?
+    boxed: the last \\boxed{}; when it is wrong and the completion has several boxes, their
+    contents joined by ", " (an answer given as \\boxed{(2, 2)} and \\boxed{(6, 2)}), so a
+    self-correction (\\boxed{5} ... no, \\boxed{7}) still counts only its last box.
+    math_verify: math-verify's own extraction of the final answer from the text ("The answer
+    is: 42", "#### 42"), for models that do not box their answers."""
+    if extraction == "math_verify":
+        correct, parsed = math_equal(gold, completion[-MAX_TEXT_CHARS:], timeout_s, free_text=True)
+        return Grade(correct, parsed, None)
+    boxes = boxed_answers(completion)
+    pred = last_boxed(completion)
+    if not pred or len(pred) > MAX_ANSWER_CHARS:
+        return Grade(False, False, pred)
+    correct, parsed = math_equal(gold, pred, timeout_s)
+    if not correct and 1 < len(boxes) <= MAX_BOXES and boxes[-1] == pred:
+        joined = ", ".join(boxes)
+        if len(joined) <= MAX_ANSWER_CHARS:
+            correct = math_equal(gold, joined, timeout_s)[0]
+            pred = joined if correct else pred
+    return Grade(correct, parsed, pred)
+
+

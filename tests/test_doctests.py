@@ -1,0 +1,17 @@
+"""Every worked example in a docstring runs: the losses' executed examples, the benchmark's and
+the study's small helpers."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["common", "tasks", "harness", "grpo", "dapo", "tepo", "erpo", "sapo", "eval", "tools.bench", "tools.study"]
+WITH_EXAMPLES = {"grpo", "dapo", "tepo", "erpo", "sapo", "tools.bench", "tools.study"}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0
+    assert result.attempted > 0 or name not in WITH_EXAMPLES

@@ -1,0 +1,193 @@
+"""The run harness's promises that a careful user meets: a changed flag on --resume, a second
+process on a run folder in use, a disk that fills up while a checkpoint is written, a model folder
+without its tokenizer files. Each is one line, and no work is lost."""
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import eval as ev
+import grpo
+import harness
+from common import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-dataset", "none",
+        "--device", "cpu", "--tensorboard", "false"]
+
+
+def _error(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]  # progress bars come before it
+    assert last.startswith("error: "), err
+    return last
+
+
+# =====================================================================================
+# --resume keeps the run's arguments
+# =====================================================================================
+def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_path, capsys):
+    grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
+    run = tmp_path / "r"
+    err = _error(grpo.main, ["--resume", str(run), "--lr", "0.5"], capsys)
+    assert "--lr 0.5 (the run has 0.0002)" in err and "--steps" in err  # names what may change
+    err = _error(grpo.main, ["--resume", str(run), "--steps", "2", "--group-size", "4"], capsys)
+    assert "--group-size 4 (the run has 2)" in err
+    assert [r["step"] for r in harness.read_metrics(run)] == [1]  # nothing ran, nothing was lost
+    # the same value as saved is not a change; RESUMABLE flags are applied
+    grpo.main(["--resume", str(run), "--steps", "2", "--lr", "2e-4", "--save-every", "5", "--device", "cpu"])
+    state = harness.load_trainer_state(harness.find_checkpoint(run))
+    assert state["step"] == 2 and state["args"]["save_every"] == 5 and state["args"]["lr"] == 2e-4
+
+
+def test_changed_flags_compares_given_flags_only():
+    saved = grpo.Args(lr=2e-4, steps=3, group_size=2, model="tiny")
+    assert harness.changed_flags(grpo.Args(), saved, grpo.Args()) == []  # nothing given
+    assert harness.changed_flags(grpo.Args(steps=9, device="cpu"), saved, grpo.Args()) == []  # resumable
+    assert harness.changed_flags(grpo.Args(lr=2e-4), saved, grpo.Args()) == []  # equal to the saved value
+    assert harness.changed_flags(grpo.Args(beta=0.0, lr=1e-3), saved, grpo.Args()) == [
+        "--beta 0.0 (the run has 0.04)", "--lr 0.001 (the run has 0.0002)"]
+
+
+# =====================================================================================
+# One process per run folder
+# =====================================================================================
+def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, capsys):
+    run = tmp_path / "r"
+    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *FAST, "--steps", "100000", "--save-every", "1",
+                              "--output-dir", str(tmp_path), "--run-name", "r"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "latest").is_file():
+            time.sleep(0.2)
+        assert (run / "latest").is_file(), "the first run never saved"
+        err = _error(grpo.main, ["--resume", str(run)], capsys)  # e.g. a job launched twice
+        assert f"is in use by process {first.pid}" in err
+        err = _error(grpo.main, [*FAST, "--output-dir", str(tmp_path), "--run-name", "r"], capsys)
+        assert f"is in use by process {first.pid}" in err
+        assert first.poll() is None  # the first run was not disturbed
+    finally:
+        first.kill()  # SIGKILL: no chance to release anything itself
+        first.wait()
+    done = harness.load_trainer_state(harness.find_checkpoint(run))["step"]
+    grpo.main(["--resume", str(run), "--steps", str(done + 1)])  # the lock died with the process
+
+
+def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, capsys):
+    grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
+    _error(grpo.main, ["--resume", str(tmp_path / "r"), "--lr", "1"], capsys)  # fails after locking
+    grpo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])  # so the folder is free again
+    assert not harness._ACTIVE_RUNS
+
+
+# =====================================================================================
+# A full disk while saving: one line, the previous checkpoint and `latest` intact
+# =====================================================================================
+def _tiny_model_and_tokenizer():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return (AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR),
+            AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR))
+
+
+def _assert_previous_checkpoint_intact(run_dir: Path, step: int):
+    assert (run_dir / "latest").read_text().strip() == f"checkpoint-{step}"
+    assert harness.load_trainer_state(harness.find_checkpoint(run_dir))["step"] == step
+    assert not list(run_dir.glob(".tmp-checkpoint-*")) and not list(run_dir.glob(".trash-*"))
+
+
+def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, tok = _tiny_model_and_tokenizer()
+    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, {"optimizer": {"m": torch.ones(10)}})
+
+    def full(self, folder, **kwargs):  # what safetensors raises when the disk is full, half-way through
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 100)
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(type(model), "save_pretrained", full)
+    with pytest.raises(UserError) as e:
+        harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2}, {"optimizer": {"m": torch.ones(10)}})
+    msg = str(e.value)
+    assert "\n" not in msg and "cannot write checkpoint-2" in msg and "No space left on device" in msg
+    assert "previous checkpoint and 'latest' are kept" in msg
+    _assert_previous_checkpoint_intact(tmp_path, 1)
+    assert (tmp_path / "checkpoint-1" / "optimizer.pt").is_file()  # the newest whole one keeps it
+
+
+def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
+    log = harness.RunLogger(tmp_path, tensorboard=False)
+    monkeypatch.setattr(log, "file", _Full())
+    with pytest.raises(UserError, match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"):
+        log.log(3, {"loss": 1.0})
+    monkeypatch.setattr(Path, "write_text", _Full().write)
+    with pytest.raises(UserError, match=r"cannot write summary.json in .*No space left on device"):
+        harness.write_text(tmp_path / "summary.json", "{}")
+
+
+class _Full:
+    def write(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _small_disk(path: Path, size: str) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_really_full_disk_during_a_run(tmp_path, capsys):
+    """On a 14 MB disk: the first checkpoint (a 3.2 MB model and its 6.4 MB of AdamW moments) fits,
+    the second does not. The run
+    stops with one line and resumes from the first checkpoint once there is room."""
+    disk = tmp_path / "disk"
+    if shutil.which("mount") is None or not _small_disk(disk, "14m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        err = _error(grpo.main, [*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+                                 "--output-dir", str(disk), "--run-name", "r"], capsys)
+        assert "cannot write checkpoint-2" in err and "not enough disk space (it needs about" in err, err
+        assert "the previous checkpoint and 'latest' are kept" in err
+        _assert_previous_checkpoint_intact(disk / "r", 1)
+        shutil.copytree(disk / "r", tmp_path / "r")  # room elsewhere: the run goes on from step 1
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    grpo.main(["--resume", str(tmp_path / "r")])
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
+
+
+# =====================================================================================
+# A model folder without tokenizer files
+# =====================================================================================
+@pytest.fixture()
+def no_tokenizer(tmp_path):
+    folder = tmp_path / "copied"
+    folder.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(common.TINY_MODEL_DIR / f, folder / f)
+    return folder
+
+
+def test_a_folder_without_tokenizer_files_is_one_line(no_tokenizer, tmp_path, capsys):
+    err = _error(grpo.main, ["--model", str(no_tokenizer), "--output-dir", str(tmp_path)], capsys)
+    assert "has no tokenizer files" in err
+    assert ev.main(["--model", str(no_tokenizer), "--output-dir", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "has no tokenizer files" in err and "\n" not in err
