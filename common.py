@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import random
@@ -62,6 +63,28 @@ AT_LEAST_ONE = ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "gen_
                 "keep_checkpoints", "sample_every", "grader_timeout")
 
 
+PRESETS = ("tiny", "cpu", "gpu")
+
+
+def apply_preset(args, presets: dict[str, dict], cuda: bool) -> None:
+    """Fill every field left at None from a script's preset: --preset, or by model and device
+    (auto: tiny for the bundled model and checkpoints of it, gpu for another model on CUDA, cpu
+    for another model on a CPU). A preset's lora_lr is its lr under --lora-rank."""
+    name = args.preset
+    if name == "auto":
+        name = "tiny" if is_tiny(args.model) else "gpu" if cuda else "cpu"
+    if name not in presets:
+        raise UserError(f"unknown --preset {args.preset!r}; choose from auto, {', '.join(presets)}")
+    args.preset, preset = name, dict(presets[name])
+    lora_lr, lora_rank = preset.pop("lora_lr"), preset.pop("lora_rank", 0)
+    args.lora_rank = lora_rank if args.lora_rank is None else args.lora_rank
+    if args.lora_rank:
+        preset["lr"] = lora_lr
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def check_args(args, rules: dict[str, bool] | None = None) -> None:
     """Every flag is checked before anything loads. The common flags are checked here by name;
     `rules` adds a script's own, as {"message if it fails": condition}."""
@@ -83,6 +106,11 @@ def check_args(args, rules: dict[str, bool] | None = None) -> None:
             raise UserError(f"{flag(name)} must be >= 0, not {v}")
     if getattr(args, "top_p", None) is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], not {args.top_p}")
+    if (getattr(args, "lora_rank", 0) or 0) < 0 or getattr(args, "lora_alpha", 1) <= 0:
+        raise UserError(f"--lora-rank must be >= 0 (0: full fine-tuning) and --lora-alpha > 0, not "
+                        f"{args.lora_rank} and {args.lora_alpha}")
+    if (getattr(args, "lora_rank", 0) or 0) > 0 and importlib.util.find_spec("peft") is None:
+        raise UserError("--lora-rank needs peft: pip install peft")
     if getattr(args, "answer_extraction", "boxed") not in ANSWER_EXTRACTIONS:
         raise UserError(f"--answer-extraction must be one of {', '.join(ANSWER_EXTRACTIONS)}")
     for message, ok in (rules or {}).items():
@@ -138,12 +166,13 @@ def resolve_model_name(name: str) -> str:
 
 
 def check_model_folder(path: str) -> None:
-    """A local model folder must hold a config and a tokenizer: without its tokenizer files (a
-    checkpoint copied without them) transformers loads an empty tokenizer and fails deep in generate."""
+    """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer: without its
+    tokenizer files (a checkpoint copied without them) transformers loads an empty tokenizer and
+    fails deep in generate."""
     folder = Path(path)
     if not folder.is_dir():
         return  # a hub id: the hub's errors are turned into one line where it is loaded
-    if not (folder / "config.json").is_file():
+    if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model folder?")
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise UserError(f"model folder {path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
@@ -154,6 +183,8 @@ def is_tiny(model_name: str) -> bool:
     """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json):
     both get the tiny presets."""
     path = Path(resolve_model_name(model_name))
+    if (path / "adapter_config.json").is_file():  # a LoRA checkpoint: its base decides
+        path = Path(json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or "")
     if path.resolve() == TINY_MODEL_DIR.resolve():
         return True
     ref, cfg = TINY_MODEL_DIR / "config.json", path / "config.json"
@@ -184,7 +215,9 @@ def make_optimizer(params: list, args):
 
 def optimizer_step(optimizer, scheduler, params: list, max_grad_norm: float, loss: float) -> dict:
     """Clip the gradient norm and step, unless the loss or the gradient is NaN or inf: then the
-    step is skipped (weights untouched) with a warning, and counted in skipped_updates."""
+    step is skipped (weights untouched) with a warning, and counted in skipped_updates. Either
+    way the gradients are freed: they would otherwise hold weight-sized memory through the next
+    generation."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     if not (math.isfinite(grad_norm) and math.isfinite(loss)):
         optimizer.zero_grad(set_to_none=True)
@@ -192,6 +225,7 @@ def optimizer_step(optimizer, scheduler, params: list, max_grad_norm: float, los
         return {"grad_norm": float("nan"), "skipped_updates": 1, "optimizer_steps": 1}
     optimizer.step()
     scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
     return {"grad_norm": grad_norm, "skipped_updates": 0, "optimizer_steps": 1}
 
 

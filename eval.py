@@ -2,6 +2,7 @@
 
     python eval.py                                    # bundled tiny model, tiny task, CPU, offline
     python eval.py --model runs/<run>/checkpoint-200  # a checkpoint saved by grpo.py, dapo.py...
+                                                      # (a LoRA run's adapters too: merged on load)
     python eval.py --model Qwen2.5-Math-1.5B \\
         --benchmarks math500,aime24,amc23,minerva,olympiadbench,gsm8k
     python eval.py --model Qwen2.5-Math-1.5B --benchmarks aime24,amc23 \\
@@ -74,7 +75,7 @@ import common
 from common import (TINY_MODEL_DIR, UserError, arg, check_model_folder, first_line, git_commit, is_tiny,
                     resolve_device, resolve_model_name, seed_everything)
 from grpo import completion_mask, decode_completions, eos_token_ids  # the training scripts' own helpers
-from tasks import TEMPLATES, build_prompt, grade, load_problems
+from tasks import GENERATED, TEMPLATES, build_prompt, grade, load_problems
 
 
 # =====================================================================================
@@ -97,7 +98,7 @@ BENCHMARKS = {
     "olympiadbench": Benchmark("math-ai/olympiadbench", None, "test", "question", "final_answer"),
     "gsm8k": Benchmark("openai/gsm8k", "main", "test", "question", "answer"),
 }
-KNOWN = ", ".join(["tiny", *BENCHMARKS])
+KNOWN = ", ".join(["tiny", "words", *BENCHMARKS])
 SUBSET_SEED = 0  # --limit picks the same problems whatever --seed is, so runs stay comparable
 
 
@@ -163,8 +164,8 @@ def file_label(path: Path) -> str:
 
 def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
     """(label used in file names, where it came from, [{'problem', 'answer'}])."""
-    if name == "tiny":  # the held-out split of the tiny task, always the same problems
-        return "tiny", "tasks.tiny_task('test')", load_problems("tiny", "test", limit=args.limit)
+    if name in GENERATED:  # the held-out split of a task made here (tiny, words), always the same problems
+        return name, f"tasks.{GENERATED[name].__name__}('test')", load_problems(name, "test", limit=args.limit)
     import datasets  # heavy, so only imported once a hub or file data set is asked for
 
     datasets.disable_progress_bars()  # benchmarks are small; the bars would only clutter stderr
@@ -219,14 +220,23 @@ def round_trips(tok) -> bool:
 def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    adapter = Path(path) / "adapter_config.json"  # a LoRA checkpoint: its base, plus its adapters
+    base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else path
     try:
         tok = AutoTokenizer.from_pretrained(path, padding_side="left",
                                             trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:  # missing folder, unknown hub id, offline, remote code
+    except (OSError, ValueError, TypeError) as e:  # missing folder, unknown hub id, offline, remote code
         hint = " (the bundled tiny model is not built yet?)" if Path(path) == TINY_MODEL_DIR else ""
+        hint += f" (the base model of its LoRA adapters, {base!r})" if adapter.is_file() else ""
         raise UserError(f"cannot load model {path!r}{hint}: {first_line(e)}") from None
+    if adapter.is_file():
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise UserError(f"{path} holds LoRA adapters, which need peft: pip install peft") from None
+        model = PeftModel.from_pretrained(model, path).merge_and_unload()  # merged: generates at full speed
     # generate() fills every field its GenerationConfig leaves unset (None) from
     # model.generation_config, i.e. from the model's generation_config.json, which may ask for
     # sampling, top_k, top_p, a repetition penalty... Keep only its special-token ids, so decoding

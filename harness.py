@@ -170,8 +170,9 @@ def _step_of(path: Path) -> int:
 
 def _bytes(obj) -> int:
     """Bytes of the tensors in a model, or in a (nested) state dict."""
-    if isinstance(obj, torch.nn.Module):
-        return sum(p.numel() * p.element_size() for p in obj.state_dict().values())
+    if isinstance(obj, torch.nn.Module):  # what save_pretrained writes: the trained weights (LoRA: the adapters)
+        trained = [p for p in obj.parameters() if p.requires_grad] or list(obj.parameters())
+        return sum(p.numel() * p.element_size() for p in trained)
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):

@@ -53,16 +53,90 @@ def tiny_task(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
 
 
 # =====================================================================================
+# Word problems for real chat models: one to three steps in plain English, integer answers
+# =====================================================================================
+NAMES = ("Tom", "Anna", "Ravi", "Mia", "Leo", "Sara", "Omar", "Yuki", "Ben", "Lena", "Kofi", "Ines")
+ITEMS = ("apples", "marbles", "books", "stickers", "coins", "pencils", "cookies", "stamps", "shells", "cards")
+
+
+def word_problem(rng: random.Random) -> dict:
+    """A person starts with some items, then one to three events change the count; the question
+    asks for the count at the end. Every intermediate count is a whole number from 0 to 200."""
+    name, friend = rng.sample(NAMES, 2)
+    item = rng.choice(ITEMS)
+    n = rng.randint(2, 30)
+    text, steps = [f"{name} has {n} {item}."], []
+    for _ in range(rng.choice((1, 1, 2, 2, 3))):
+        kind = rng.choice(("gain", "lose", "bags", "double", "share"))
+        if kind == "gain":
+            k = rng.randint(1, 20)
+            text.append(rng.choice((f"{friend} gives {name} {k} more.", f"Then {name} finds {k} more {item}.",
+                                    f"{name} buys {k} more {item}.")))
+            steps.append(f"{n} + {k} = {n + k}")
+            n += k
+        elif kind == "lose" and n >= 2:
+            k = rng.randint(1, n - 1)
+            text.append(rng.choice((f"{name} gives {k} of them to {friend}.", f"Then {name} loses {k} {item}.",
+                                    f"{name} sells {k} {item}.")))
+            steps.append(f"{n} - {k} = {n - k}")
+            n -= k
+        elif kind == "bags":
+            b, m = rng.randint(2, 5), rng.randint(2, 10)
+            text.append(f"{name} buys {b} bags with {m} {item} in each bag.")
+            steps.append(f"{n} + {b} * {m} = {n + b * m}")
+            n += b * m
+        elif kind == "double" and n <= 100:
+            text.append(f"Then the number of {item} {name} has doubles.")
+            steps.append(f"{n} * 2 = {2 * n}")
+            n *= 2
+        elif kind == "share" and n >= 4:
+            d = rng.choice([d for d in (2, 3, 4, 5) if n % d == 0] or [1])
+            if d == 1:
+                continue
+            text.append(f"{name} shares the {item} equally with {d - 1} friends and keeps one share.")
+            steps.append(f"{n} / {d} = {n // d}")
+            n //= d
+    if not steps:  # every event was skipped: one addition, so each problem has a step
+        k = rng.randint(1, 20)
+        text.append(f"{friend} gives {name} {k} more.")
+        steps.append(f"{n} + {k} = {n + k}")
+        n += k
+    text.append(f"How many {item} does {name} have now?")
+    return {"problem": " ".join(text), "solution": "\n".join(steps) + f"\nThe answer is {n}.", "answer": str(n)}
+
+
+def word_problems(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    """Up to n problems of one split ('train' or 'test', split by a fixed hash of the text as the
+    tiny task is, so the two are disjoint), shuffled by seed, from a fixed pool of 12,000 draws."""
+    if split not in ("train", "test"):
+        raise UserError(f"the word problems have splits 'train' and 'test', not {split!r}")
+    rng, pool = random.Random("word-problems"), {}
+    for _ in range(12000):
+        e = word_problem(rng)
+        pool.setdefault(e["problem"], e)
+    out = [e for e in pool.values() if tiny_is_heldout(e["problem"]) == (split == "test")]
+    random.Random(f"words-{split}-{seed}").shuffle(out)
+    return out[:n]
+
+
+GENERATED = {"tiny": tiny_task, "words": word_problems}  # the tasks made here, by dataset name
+
+
+# =====================================================================================
 # Prompt templates
 # =====================================================================================
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-TEMPLATES = ("qwen_math", "tiny", "plain")
+CHAT_INSTRUCTION = "Solve it step by step, briefly. End with: The answer is <number>."
+TEMPLATES = ("qwen_math", "tiny", "plain", "chat")
 
 
 def build_prompt(tokenizer, problem: str, template: str) -> str:
     """Text of the prompt. qwen_math: the Qwen2.5-Math system prompt through the chat
     template (as in the Dr. GRPO and Qwen harnesses); tiny: the bare problem as a user turn;
-    plain: the problem text followed by the qwen_math instruction, no chat template."""
+    plain: the problem text followed by the qwen_math instruction, no chat template; chat: a
+    short instruction as the system turn (it replaces a template's default system prompt, which
+    costs tokens in every pass) and the problem as the user turn, for small chat models that do
+    not box their answers (graded with --answer-extraction math_verify)."""
     has_chat = getattr(tokenizer, "chat_template", None) is not None
     if template == "qwen_math":
         if not has_chat:
@@ -74,6 +148,10 @@ def build_prompt(tokenizer, problem: str, template: str) -> str:
         msgs = [{"role": "user", "content": problem}]
     elif template == "plain":
         return f"{problem}\n{QWEN_MATH_SYSTEM}\n"
+    elif template == "chat":
+        if not has_chat:
+            return f"{problem}\n{CHAT_INSTRUCTION}\n"
+        msgs = [{"role": "system", "content": CHAT_INSTRUCTION}, {"role": "user", "content": problem}]
     else:
         raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}")
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -95,10 +173,10 @@ for _short, _spec in list(HUB_DATASETS.items()):
 def load_problems(dataset: str, split: str = "train", problem_column: str | None = None,
                   answer_column: str | None = None, answer_from_boxed: bool | None = None,
                   limit: int | None = None, seed: int = 0) -> list[dict]:
-    """A list of {'problem', 'answer'} from: 'tiny' (generated), a short name or hub id in
+    """A list of {'problem', 'answer'} from: 'tiny' or 'words' (generated), a short name or hub id in
     HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file."""
-    if dataset == "tiny":
-        return [{"problem": e["problem"], "answer": e["answer"]} for e in tiny_task(split, limit, seed)]
+    if dataset in GENERATED:
+        return [{"problem": e["problem"], "answer": e["answer"]} for e in GENERATED[dataset](split, limit, seed)]
     import datasets as hf_datasets  # heavy import, only when needed
 
     config, boxed = None, False

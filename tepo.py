@@ -71,14 +71,17 @@ ALGO = "tepo"
 class Args:
     # --- model and data ---
     model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
-    dataset: str | None = arg(None, "tiny, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file")
+    dataset: str | None = arg(None, "tiny, words, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file")
     problem_column: str | None = arg(None, "column holding the problem (default: known, else 'problem')")
     answer_column: str | None = arg(None, "column holding the answer (default: known, else 'answer')")
-    template: str | None = arg(None, "prompt template: qwen_math, tiny or plain")
+    template: str | None = arg(None, "prompt template: qwen_math, tiny, plain or chat")
     eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
-    answer_extraction: str = arg("boxed", "final answer: the last \\boxed{}, or math-verify's own "
-                                 "extraction from free text", choices=list(common.ANSWER_EXTRACTIONS))
+    answer_extraction: str | None = arg(None, "final answer: the last \\boxed{}, or math-verify's own "
+                                        "extraction from free text", choices=list(common.ANSWER_EXTRACTIONS))
     trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
+    preset: str = arg("auto", "where unset flags take their values: tiny (the bundled model), cpu (a real model "
+                      "on a CPU), gpu (the real run on one GPU); auto picks by --model and --device",
+                      choices=["auto", *common.PRESETS])
     # --- rollouts ---
     prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
     group_size: int = arg(8, "G, completions sampled per prompt (at least 2)")
@@ -114,6 +117,12 @@ class Args:
     optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the update (default: on CUDA)")
     bf16: bool | None = arg(None, "compute in bf16 autocast over fp32 weights (default: on CUDA)")
+    # --- LoRA (PEFT) ---
+    lora_rank: int | None = arg(None, "LoRA rank r: train low-rank adapters on a frozen base; 0 = full "
+                                "fine-tuning (the tiny and gpu presets' default; the cpu preset's is 16)")
+    lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
+    lora_target_modules: str = arg("all-linear", "modules that get an adapter: all-linear (every linear layer "
+                                   "of the transformer blocks, MLPs included) or a comma list, e.g. q_proj,v_proj")
     # --- run ---
     seed: int = arg(1, "seed for data order, sampling and init")
     device: str = arg("auto", "auto, cpu, cuda or cuda:N")
@@ -131,21 +140,28 @@ class Args:
                              "--sample-every and --tensorboard may change)")
 
 
-# The two presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
-TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", prompts_per_step=16,
-                     max_new_tokens=40, steps=160, lr=2e-4, warmup_steps=4, num_mini_batches=2,
+# The three presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
+# lora_lr replaces lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without
+# Regret, Thinking Machines 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
+TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", answer_extraction="boxed",
+                     prompts_per_step=16,
+                     max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4, num_mini_batches=2,
                      micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
-REAL_DEFAULTS = dict(dataset="dapo-math", template="qwen_math", eval_dataset="math", prompts_per_step=32,
-                     max_new_tokens=3000, steps=500, lr=1e-6, warmup_steps=10, num_mini_batches=8,
+CPU_DEFAULTS = dict(dataset="words", template="chat", eval_dataset="words", answer_extraction="math_verify",
+                    lora_rank=16,
+                    prompts_per_step=8, max_new_tokens=96, steps=100, lr=1e-5, lora_lr=1e-4, warmup_steps=4,
+                    num_mini_batches=2, micro_batch_size=16, gen_batch_size=64, eval_every=20, eval_n=128,
+                    save_every=20)
+REAL_DEFAULTS = dict(dataset="dapo-math", template="qwen_math", eval_dataset="math", answer_extraction="boxed",
+                     prompts_per_step=32,
+                     max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10, num_mini_batches=8,
                      micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500, save_every=50)
 
 
 def resolve_args(args: Args) -> Args:
     """Fill every field left at None from the preset that fits the model, then check them all."""
-    for k, v in (TINY_DEFAULTS if common.is_tiny(args.model) else REAL_DEFAULTS).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
     cuda = common.resolve_device(args.device).type == "cuda"
+    common.apply_preset(args, {"tiny": TINY_DEFAULTS, "cpu": CPU_DEFAULTS, "gpu": REAL_DEFAULTS}, cuda)
     args.bf16 = cuda if args.bf16 is None else args.bf16
     args.gradient_checkpointing = cuda if args.gradient_checkpointing is None else args.gradient_checkpointing
     if args.entropy_tol is None:  # TEPO: above the noise of recomputing the same entropies
@@ -188,17 +204,22 @@ def load_tokenizer(name: str, trust_remote_code: bool):
 def load_model(name: str, device: torch.device, args, trainable: bool):
     """fp32 weights for the policy and the reference alike (bf16 weights would round away lr=1e-6
     updates, and would make the reference disagree with the policy at step 0), computed in bf16
-    under autocast when --bf16. Sampling follows this script's settings only: the model's own
-    generation_config.json (temperature 0.6, top_k 20, ...) is replaced by a neutral one."""
+    under autocast when --bf16. With --lora-rank the trainable policy is the frozen base plus
+    fp32 adapters (add_lora), and the base, never updated, is held in bf16 on CUDA; `name` may
+    then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
+    script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
+    ...) is replaced by a neutral one."""
     path = common.resolve_model_name(name)
+    adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
+    base = common.resolve_model_name(args.model) if adapter else path
+    dtype = torch.bfloat16 if args.lora_rank and args.bf16 and device.type == "cuda" else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=args.trust_remote_code)
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
-        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
+        raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
     with torch.no_grad():  # the log-prob pass reads logits as lm_head(last hidden state): a model that
         x = torch.arange(3)[None]  # rescales or soft-caps them after that (Gemma 2, Cohere) must say so
-        direct = model.get_output_embeddings()(model.base_model(input_ids=x).last_hidden_state)
+        direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
         if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
             raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. soft-capping "
                             "or a logit scale), which this script's chunked log-prob pass does not reproduce")
@@ -210,10 +231,73 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
             m.p = 0.0
     if trainable and args.gradient_checkpointing:  # only active in train mode, so generate() is not slowed
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.requires_grad_(trainable)
+    if trainable and args.lora_rank:  # LoRA: the base stays frozen, only the adapters learn
+        model = add_lora(model, base, args, adapter)
     model.to(device)
     model.train(trainable)
-    model.requires_grad_(trainable)
     return model
+
+
+def add_lora(model, base: str, args, adapter: str | None = None):
+    """The model as PEFT's LoRA model: every module in --lora-target-modules gets adapters A (r x in)
+    and B (out x r), B = 0 so that the output is exactly the base's before the first update, fp32
+    whatever the base's dtype, no adapter dropout (it would make the ratio differ from 1 before
+    the first update). `adapter`: a checkpoint's adapters to continue from."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise UserError("--lora-rank needs peft: pip install peft") from None
+    targets = args.lora_target_modules
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    try:
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+        else:
+            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                target_modules=targets, task_type="CAUSAL_LM")
+            model = get_peft_model(model, config)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, a layer PEFT cannot wrap
+        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
+                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
+    if Path(base).is_dir():  # the checkpoint names its base by full path, so eval.py finds it from anywhere
+        model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+class AdapterOff:
+    """pi_ref under LoRA: the policy's own base weights, which never change, seen with its
+    adapters switched off for the pass: no second model in memory. It offers what batch_logps
+    uses of a model."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def eval(self):
+        self.policy.eval()
+
+    def get_decoder(self):
+        def without_adapters(**inputs):
+            with self.policy.disable_adapter():
+                return self.policy.get_decoder()(**inputs)
+        return without_adapters
+
+    def get_output_embeddings(self):
+        def without_adapters(h):
+            with self.policy.disable_adapter():
+                return self.policy.get_output_embeddings()(h)
+        return without_adapters
+
+
+def load_reference(policy, device: torch.device, args):
+    """pi_ref, the frozen starting model: with --lora-rank the policy with its adapters off, else a
+    second copy loaded from --model."""
+    if args.lora_rank:
+        return AdapterOff(policy)
+    return load_model(args.model, device, args, trainable=False)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -359,8 +443,8 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids, use_cache=False).last_hidden_state
     h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
@@ -570,7 +654,7 @@ def train(args: Args) -> dict:
     policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
     need_ref = (args.kl_coef > 0 and args.kl_target == "ref") or \
         (args.entropy_test == "observed" and args.entropy_baseline == "ref")  # TEPO
-    ref = load_model(args.model, device, args, trainable=False) if need_ref else None  # pi_ref, frozen
+    ref = load_reference(policy, device, args) if need_ref else None  # pi_ref, frozen
     eos_ids = eos_token_ids(policy, tokenizer)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)

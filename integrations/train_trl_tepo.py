@@ -76,7 +76,7 @@ class ScriptArgs:
     answer_column: str | None = field(default=None, metadata={
         "help": "column holding the answer (default: known, else 'answer')"})
     template: str | None = field(default=None, metadata={
-        "help": "prompt template: qwen_math, tiny or plain (default: tiny for the tiny model)"})
+        "help": "prompt template: qwen_math, tiny, plain or chat (default: tiny for the tiny model)"})
     answer_extraction: str = field(default="boxed", metadata={
         "help": "final answer: the last \\boxed{}, or math-verify's own extraction from free text",
         "choices": list(common.ANSWER_EXTRACTIONS)})
@@ -84,6 +84,12 @@ class ScriptArgs:
         "help": "seconds allowed per answer parse / comparison"})
     max_prompt_tokens: int | None = field(default=None, metadata={
         "help": "longer prompts are dropped (default: context - max_completion_length)"})
+    lora_rank: int = field(default=0, metadata={
+        "help": "LoRA rank: train adapters on a frozen base (TRL's peft_config); TRL's reference is then the "
+                "base with the adapters off. 0 = full fine-tuning"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_target_modules: str = field(default="all-linear", metadata={
+        "help": "all-linear (every linear layer of the transformer blocks) or a comma list of module names"})
 
 
 # TRL defaults that differ from tepo.py's presets. Tiny: tepo.py's tiny preset (16 prompts x 8,
@@ -137,6 +143,22 @@ def load_prompts(script: ScriptArgs, tokenizer, max_prompt_tokens: int) -> Datas
     return Dataset.from_list(kept)
 
 
+def lora_config(script: ScriptArgs):
+    """PEFT's LoraConfig for TRL's peft_config, as the scripts build it (no adapter dropout: the
+    ratio must be 1 before the first update), or None for full fine-tuning."""
+    if script.lora_rank < 0:
+        raise common.UserError(f"--lora_rank must be >= 0, not {script.lora_rank}")
+    if script.lora_rank == 0:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise common.UserError("--lora_rank needs peft: pip install peft") from None
+    t = script.lora_target_modules
+    return LoraConfig(r=script.lora_rank, lora_alpha=script.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=t if t == "all-linear" else [x.strip() for x in t.split(",") if x.strip()])
+
+
 def main(argv=None):
     script, cfg = parse(argv)
     path = common.resolve_model_name(script.model)
@@ -155,8 +177,8 @@ def main(argv=None):
     max_prompt = script.max_prompt_tokens or ctx - cfg.max_completion_length
     train = load_prompts(script, tokenizer, max_prompt)
     trainer = TEPOTrainer(model=model, args=cfg, train_dataset=train, processing_class=tokenizer,
-                          reward_funcs=correctness_reward(script.answer_extraction,
-                                                          script.grader_timeout))
+                          reward_funcs=correctness_reward(script.answer_extraction, script.grader_timeout),
+                          peft_config=lora_config(script))
     trainer.train()
     trainer.save_model(cfg.output_dir)
     return trainer

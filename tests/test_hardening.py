@@ -282,7 +282,8 @@ def test_periodic_eval_uses_the_same_problems_whatever_the_seed():
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_dapo_math_keeps_a_held_out_evaluation(name, tmp_path):
     mod = importlib.import_module(name)
-    args = mod.resolve_args(mod.Args(model=str(tmp_path), dataset="dapo-math", run_name="x", device="cpu"))
+    args = mod.resolve_args(mod.Args(model=str(tmp_path), dataset="dapo-math", run_name="x", device="cpu",
+                                     preset="gpu"))
     assert args.eval_dataset == "math"
 
 

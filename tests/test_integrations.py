@@ -465,6 +465,26 @@ def test_erpo_trainer_takes_two_optimizer_steps_and_logs_erpo_metrics(tok, promp
     assert first["erpo/kl"] == pytest.approx(0, abs=1e-6) and second["erpo/kl"] > 0
 
 
+def test_tepo_trainer_with_a_peft_config_trains_only_the_adapters(tok, prompts, tmp_path):
+    """LoRA through TRL's own peft_config, as train_trl_tepo.py passes it: TRL's reference is the
+    base with the adapters off (no ref_model), only adapter weights move, KL 0 on the first step."""
+    pytest.importorskip("peft")
+    from integrations import train_trl_tepo as script_mod
+    peft_config = script_mod.lora_config(script_mod.ScriptArgs(lora_rank=4))
+    assert peft_config.r == 4 and peft_config.lora_dropout == 0.0
+    cfg = _config(tt.TEPOConfig, tmp_path, max_steps=2, logging_steps=1, steps_per_generation=2,
+                  gradient_accumulation_steps=1, max_completion_length=32, learning_rate=1e-2)
+    trainer = tt.TEPOTrainer(model=str(common.TINY_MODEL_DIR), reward_funcs=_tiebreak_reward, args=cfg,
+                             train_dataset=prompts, processing_class=tok, peft_config=peft_config)
+    assert trainer.ref_model is None
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = {k for k, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[k])}
+    assert moved and all("lora_" in k for k in moved)
+    first = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert first["tepo/kl"] == pytest.approx(0, abs=1e-6)
+
+
 # ================================================================ two processes (torchrun, gloo)
 def test_two_processes_count_windows_normalise_and_gather_groups():
     """Reruns this file as 2 CPU processes: what one process cannot show (all-reduce of the

@@ -195,12 +195,14 @@ def local_real_model(tmp_path_factory):
 
 def test_real_preset_on_a_local_model(local_real_model, tmp_path, capsys):
     import grpo
-    # by default the real preset trains on MATH from the hub, unreachable here: a clear error
-    err = _error_of(grpo, capsys, ["--model", str(local_real_model), "--output-dir", str(tmp_path)])
+    # the GPU preset (picked on CUDA, here by --preset gpu) trains on MATH from the hub, unreachable here:
+    # a clear error
+    err = _error_of(grpo, capsys, ["--model", str(local_real_model), "--preset", "gpu", "--output-dir", str(tmp_path)])
     assert "cannot load dataset 'math'" in err
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tasks.tiny_task("train", 8)))
-    grpo.main(["--model", str(local_real_model), "--dataset", str(data), "--eval-dataset", "none", "--steps", "1",
+    grpo.main(["--model", str(local_real_model), "--preset", "gpu", "--dataset", str(data), "--eval-dataset", "none",
+               "--steps", "1",
                "--max-new-tokens", "8", "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "1",
                "--output-dir", str(tmp_path), "--run-name", "r", "--tensorboard", "false"])
     args = json.loads((tmp_path / "r" / "args.json").read_text())

@@ -756,7 +756,9 @@ def plot_curves(path: Path, rows: list[dict]) -> bool:
 # Qwen2.5-Math-1.5B (its config.json): 28 layers, hidden 1536, 2 KV heads of 128, vocabulary
 # 151,936, tied embeddings, 1.54 B parameters.
 QWEN_MATH_1_5B = dict(params=1.54e9, embed=151_936 * 1536, layers=28, kv_heads=2, head_dim=128,
-                      hidden=1536, vocab=151_936)
+                      hidden=1536, vocab=151_936, heads=12, intermediate=8960)
+# Qwen2.5-0.5B (its config.json), the smaller critic the README suggests for SAPO on one GPU.
+QWEN_0_5B = dict(params=0.494e9, layers=24, hidden=896)
 # 80 GB GPUs: memory bandwidth (bytes/s) and dense bf16 FLOP/s, from the data sheets.
 GPUS = {"A100 80GB SXM": (2.04e12, 312e12), "H100 80GB SXM": (3.35e12, 989e12)}
 # Each script's real-run preset (REAL_DEFAULTS): P, G, reference model, critic
@@ -814,6 +816,83 @@ def real_run_estimate(P: int, G: int, max_new_tokens: int = 3000, gen_batch_size
             "decode_tokens_per_s": batch / decode_s}
 
 
+def lora_params(rank: int, model: dict = QWEN_MATH_1_5B) -> int:
+    """Adapter parameters with --lora-target-modules all-linear: r x (in + out) for each of q, k, v,
+    o, gate, up and down in every layer.
+
+    >>> lora_params(1)  # Qwen2.5-Math-1.5B: 41,216 per layer and unit of rank
+    1154048
+    """
+    h, q, kv, f = model["hidden"], model["heads"] * model["head_dim"], model["kv_heads"] * model["head_dim"], \
+        model["intermediate"]
+    return rank * model["layers"] * (2 * (h + q) + 2 * (h + kv) + 3 * (h + f))
+
+
+def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None, gen_batch_size: int = 64,
+                    micro_batch_size: int = 4, context: int = 4096, chunk: int = 1024,
+                    model: dict = QWEN_MATH_1_5B) -> dict:
+    """GPU memory of a real run, in bytes, from the model's shapes: an ESTIMATE, not measured.
+    Full fine-tuning: fp32 weights, fp32 gradients, AdamW's two fp32 moments, the bf16 copies
+    autocast caches of the trainable weights, a frozen fp32 reference when `ref`. LoRA: the base
+    in bf16 (never updated), fp32 adapters with their gradients and moments, and no reference (the
+    policy with its adapters off). Both: the KV cache of one generate() call (bf16 K and V,
+    context positions x gen_batch_size rows), one output-layer chunk (chunk positions x vocabulary
+    x 16 bytes: fp32 logits, softmax, gradient), checkpointed activations (one bf16 hidden state
+    per layer and position of a micro-batch). A critic (SAPO) is fully trained: fp32 weights,
+    gradients, moments, autocast copies and activations. Gradients are freed after each optimizer
+    step, so generation holds no gradients. Returns the training and generation phases' sums.
+
+    >>> toy = dict(params=10, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1, heads=1, intermediate=1)
+    >>> m = memory_estimate(ref=True, gen_batch_size=1, micro_batch_size=1, context=1, chunk=1, model=toy)
+    >>> m["weights"], m["trained"], m["reference"], m["autocast"], m["kv_cache"], m["train"]
+    (40, 120, 40, 20, 4, 238)
+    """
+    P, L, H = model["params"], model["layers"], model["hidden"]
+    if lora_rank:
+        n = lora_params(lora_rank, model)
+        weights, trained, grads, autocast, reference = 2 * P, 16 * n, 4 * n, 0, 0
+    else:
+        weights, trained, grads, autocast, reference = 4 * P, 12 * P, 4 * P, 2 * P, 4 * P if ref else 0
+    kv = 2 * L * model["kv_heads"] * model["head_dim"] * 2 * context * gen_batch_size
+    head = chunk * model["vocab"] * 16
+    acts = micro_batch_size * context * L * H * 2
+    critic_train = critic_gen = 0
+    if critic is not None:
+        Pc = critic["params"]
+        critic_train = 18 * Pc + micro_batch_size * context * critic["layers"] * critic["hidden"] * 2
+        critic_gen = 16 * Pc  # weights and moments stay while the policy generates
+    out = {"weights": weights, "trained": trained, "reference": reference, "autocast": autocast, "kv_cache": kv,
+           "output_chunk": head, "activations": acts, "critic": critic_train}
+    out["train"] = weights + trained + reference + autocast + head + acts + critic_train
+    out["generate"] = weights + trained - grads + reference + autocast + kv + critic_gen
+    out["peak"] = max(out["train"], out["generate"])
+    return out
+
+
+# script -> loads a reference model in its real preset (ERPO always; DAPO never; SAPO: --kl-coef 0.001)
+USES_REF = {"grpo": True, "dapo": False, "tepo": True, "erpo": True, "sapo": True}
+
+
+def memory_report(lora_rank: int = 64) -> str:
+    """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA."""
+    def gb(x):
+        return f"{x / 1e9:.1f}"
+    lines = ["GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches of 64, "
+             "micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (bench.py, memory_estimate); GB.", "",
+             f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / peak | "
+             f"fits 24 GB with LoRA |", "|---|---|---|---|"]
+    for name, ref in USES_REF.items():
+        critic = QWEN_MATH_1_5B if name == "sapo" else None
+        full, lora = memory_estimate(ref, 0, critic), memory_estimate(ref, lora_rank, critic)
+        fits = "yes, as is" if lora["peak"] < 24e9 else ""
+        if name == "sapo":
+            small = memory_estimate(ref, lora_rank, QWEN_0_5B)
+            fits = f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])}"
+        lines.append(f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / **{gb(full['peak'])}** | "
+                     f"{gb(lora['train'])} / {gb(lora['generate'])} / **{gb(lora['peak'])}** | {fits} |")
+    return "\n".join(lines)
+
+
 def estimate_report() -> str:
     """The real run's expected throughput (Qwen2.5-Math-1.5B), for each script's preset."""
     lines = ["Real run, Qwen2.5-Math-1.5B, 3000 new tokens, generate() batches of 64: "
@@ -836,7 +915,7 @@ def estimate_report() -> str:
               "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
               "step towards the memory-bound time in brackets. A real run logs `time/generate`, "
               "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers there."]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", memory_report()])
 
 
 # =====================================================================================
