@@ -10,11 +10,11 @@
     python eval.py --model Qwen2.5-Math-1.5B --benchmarks my.jsonl \\
         --problem-column question --answer-column answer
 
-Per benchmark: prompts go through the template (common.build_prompt); Hugging Face `generate` runs
+Per benchmark: prompts go through the template (tasks.build_prompt); Hugging Face `generate` runs
 batches of similar-length prompts (left padding) and stops on every EOS id the model uses (tokenizer
-EOS, generation_config EOS list, `<|im_end|>`); common.grade checks the completion's answer against
+EOS, generation_config EOS list, `<|im_end|>`); tasks.grade checks the completion's answer against
 the gold answer with math-verify (gold first, time-bounded, never eval()). --answer-extraction picks
-the answer: `boxed` (the default) the last \\boxed{} (common.grade has a rule for several boxes);
+the answer: `boxed` (the default) the last \\boxed{} (tasks.grade has a rule for several boxes);
 `math_verify` math-verify's own extraction of the final answer from the whole text (for models that
 end with "The answer is: 42" or "#### 42").
 

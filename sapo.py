@@ -188,23 +188,27 @@ class Args:
                              "--sample-every and --tensorboard may change)")
 
 
-# The three presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
+# The three presets, picked by --preset or by model and device (common.apply_preset): tiny, the
+# bundled model; cpu, a real model on a CPU; gpu, the real run on one CUDA GPU. SAPO: P prompts x 1
+# completion, as many completions as the others' P x G.
 # lora_lr replaces lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without
 # Regret, Thinking Machines 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
 TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", answer_extraction="boxed",
-                     prompts_per_step=128,  # SAPO: x 1
-                     critic_lr=4e-4,  # SAPO
+                     prompts_per_step=128, critic_lr=4e-4,  # SAPO: 128 x 1; the critic's lr 2x the policy's
                      max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4, num_mini_batches=2,
                      micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
+# cpu, each value's reason (SmolLM2-135M-Instruct on 2 cores; docs/real-models.md): word problems
+# through the chat template, read by math-verify (a task a 135M chat model can start on, offline);
+# 64 new tokens (a right answer takes 15-30; at 96 the model rambled to the cap, 82% cut off); 4
+# prompts x 8 (32 completions keep a step near 50 s; 8 give a group a chance of one right answer at
+# a 6% start); LoRA rank 16 at 3e-4 (10x full's 3e-5; the reference is the adapters switched off, no
+# second model); 60 steps, 128 held-out problems every 15 (an hour on 2 cores, ~2 min an evaluation).
 CPU_DEFAULTS = dict(dataset="words", template="chat", eval_dataset="words", answer_extraction="math_verify",
-                    lora_rank=16,
-                    prompts_per_step=64, critic_lr=2e-5,  # SAPO: x 1
-                    max_new_tokens=96, steps=100, lr=1e-5, lora_lr=1e-4, warmup_steps=4,
-                    num_mini_batches=2, micro_batch_size=16, gen_batch_size=64, eval_every=20, eval_n=128,
-                    save_every=20)
+                    lora_rank=16, prompts_per_step=32, critic_lr=6e-5,  # SAPO: 32 x 1
+                    max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4, warmup_steps=2, num_mini_batches=2,
+                    micro_batch_size=16, gen_batch_size=64, eval_every=15, eval_n=128, save_every=15)
 REAL_DEFAULTS = dict(dataset="math", template="qwen_math", eval_dataset="math", answer_extraction="boxed",
-                     prompts_per_step=256,  # SAPO: x 1
-                     critic_lr=2e-6,  # SAPO
+                     prompts_per_step=256, critic_lr=2e-6,  # SAPO: 256 x 1
                      max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10, num_mini_batches=4,
                      micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500, save_every=50)
 

@@ -61,15 +61,15 @@ ITEMS = ("apples", "marbles", "books", "stickers", "coins", "pencils", "cookies"
 
 def word_problem(rng: random.Random) -> dict:
     """A person starts with some items, then one to three events change the count; the question
-    asks for the count at the end. Every intermediate count is a whole number from 0 to 200."""
+    asks for the count at the end. Every count is a whole number; half the problems take one step."""
     name, friend = rng.sample(NAMES, 2)
     item = rng.choice(ITEMS)
-    n = rng.randint(2, 30)
+    n = rng.randint(2, 20)
     text, steps = [f"{name} has {n} {item}."], []
-    for _ in range(rng.choice((1, 1, 2, 2, 3))):
+    for _ in range(rng.choice((1, 1, 1, 2, 2, 3))):  # a 135M model solves few multi-step ones
         kind = rng.choice(("gain", "lose", "bags", "double", "share"))
         if kind == "gain":
-            k = rng.randint(1, 20)
+            k = rng.randint(1, 10)
             text.append(rng.choice((f"{friend} gives {name} {k} more.", f"Then {name} finds {k} more {item}.",
                                     f"{name} buys {k} more {item}.")))
             steps.append(f"{n} + {k} = {n + k}")
@@ -81,7 +81,7 @@ def word_problem(rng: random.Random) -> dict:
             steps.append(f"{n} - {k} = {n - k}")
             n -= k
         elif kind == "bags":
-            b, m = rng.randint(2, 5), rng.randint(2, 10)
+            b, m = rng.randint(2, 4), rng.randint(2, 6)
             text.append(f"{name} buys {b} bags with {m} {item} in each bag.")
             steps.append(f"{n} + {b} * {m} = {n + b * m}")
             n += b * m
@@ -97,7 +97,7 @@ def word_problem(rng: random.Random) -> dict:
             steps.append(f"{n} / {d} = {n // d}")
             n //= d
     if not steps:  # every event was skipped: one addition, so each problem has a step
-        k = rng.randint(1, 20)
+        k = rng.randint(1, 10)
         text.append(f"{friend} gives {name} {k} more.")
         steps.append(f"{n} + {k} = {n + k}")
         n += k
@@ -126,7 +126,7 @@ GENERATED = {"tiny": tiny_task, "words": word_problems}  # the tasks made here, 
 # Prompt templates
 # =====================================================================================
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-CHAT_INSTRUCTION = "Solve it step by step, briefly. End with: The answer is <number>."
+CHAT_INSTRUCTION = "Write the calculation, then: The answer is <number>."  # "step by step" made it ramble
 TEMPLATES = ("qwen_math", "tiny", "plain", "chat")
 
 

@@ -140,22 +140,27 @@ class Args:
                              "--sample-every and --tensorboard may change)")
 
 
-# The three presets: `python grpo.py` (bundled tiny model, CPU) and any real model (one GPU).
+# The three presets, picked by --preset or by model and device (common.apply_preset): tiny, the
+# bundled model; cpu, a real model on a CPU; gpu, the real run on one CUDA GPU.
 # lora_lr replaces lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without
 # Regret, Thinking Machines 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
 TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", answer_extraction="boxed",
-                     prompts_per_step=16,
-                     max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4, num_mini_batches=2,
-                     micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
+                     prompts_per_step=16, max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4,
+                     num_mini_batches=2, micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
+# cpu, each value's reason (SmolLM2-135M-Instruct on 2 cores; docs/real-models.md): word problems
+# through the chat template, read by math-verify (a task a 135M chat model can start on, offline);
+# 64 new tokens (a right answer takes 15-30; at 96 the model rambled to the cap, 82% cut off); 4
+# prompts x 8 (32 completions keep a step near 50 s; 8 give a group a chance of one right answer at
+# a 6% start); LoRA rank 16 at 3e-4 (10x full's 3e-5; the reference is the adapters switched off, no
+# second model); 60 steps, 128 held-out problems every 15 (an hour on 2 cores, ~2 min an evaluation).
 CPU_DEFAULTS = dict(dataset="words", template="chat", eval_dataset="words", answer_extraction="math_verify",
-                    lora_rank=16,
-                    prompts_per_step=8, max_new_tokens=96, steps=100, lr=1e-5, lora_lr=1e-4, warmup_steps=4,
-                    num_mini_batches=2, micro_batch_size=16, gen_batch_size=64, eval_every=20, eval_n=128,
-                    save_every=20)
+                    lora_rank=16, prompts_per_step=4, max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4,
+                    warmup_steps=2, num_mini_batches=2, micro_batch_size=16, gen_batch_size=64, eval_every=15,
+                    eval_n=128, save_every=15)
 REAL_DEFAULTS = dict(dataset="dapo-math", template="qwen_math", eval_dataset="math", answer_extraction="boxed",
-                     prompts_per_step=32,
-                     max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10, num_mini_batches=8,
-                     micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500, save_every=50)
+                     prompts_per_step=32, max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10,
+                     num_mini_batches=8, micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500,
+                     save_every=50)
 
 
 def resolve_args(args: Args) -> Args:
@@ -584,7 +589,9 @@ def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
 def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=0.2, clip_high=0.28,
                ratio_level="sequence") -> dict:
     """What to watch: the share of tokens the mask selects, their entropy against the others',
-    the KL on them, the spread of sequence ratios, and the share of active clips."""
+    the KL on them, the spread of sequence ratios, and the share of active clips; and where the KL
+    to kl_logp sits: by the advantage's sign, off the mask, in the first and last quarter of each
+    completion, and its largest token."""
     A, m = advantages[:, None], mask.bool()
     s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))
     clipped = ((s > 1 + clip_high) & (A > 0)) | ((s < 1 - clip_low) & (A < 0))
@@ -596,6 +603,15 @@ def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=0
              "other_entropy": torch.where(other, entropy, 0.0).sum() / other.sum().clamp(min=1),
              "seq_ratio_min": seq.min(), "seq_ratio_max": seq.max(), "clip_frac": (clipped & m).sum() / n,
              "masked_kl": torch.where(M, kl, 0.0).sum() / n_masked, "kl": torch.where(m, kl, 0.0).sum() / n}
+    position = m.cumsum(1) / m.sum(1, keepdim=True).clamp(min=1)  # [B, T] in (0, 1] on completion tokens
+
+    def mean_kl(where):  # mean KL over the valid tokens in `where`
+        where = where & m
+        return torch.where(where, kl, 0.0).sum() / where.sum().clamp(min=1)
+
+    stats.update(kl_pos_adv=mean_kl(A > 0), kl_neg_adv=mean_kl(A < 0), kl_off_mask=mean_kl(~M),
+                 kl_first_quarter=mean_kl(position <= 0.25), kl_last_quarter=mean_kl(position > 0.75),
+                 kl_token_max=torch.where(m, kl, 0.0).max() if m.any() else torch.zeros(()))
     return {k: v.item() for k, v in stats.items()}
 
 

@@ -24,3 +24,19 @@ def tiny_dir():
     import common
     assert (common.TINY_MODEL_DIR / "config.json").is_file(), "bundled tiny model is missing"
     return common.TINY_MODEL_DIR
+
+
+@pytest.fixture
+def one_line_error(capsys):
+    """one_line_error(main, argv): main(argv) exits 2 with no traceback; returns its last stderr
+    line (progress bars may come before it), which starts with 'error: '."""
+    def run(main, argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: "), err
+        return last
+    return run

@@ -24,26 +24,15 @@ FAST = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
         "--device", "cpu", "--tensorboard", "false"]
 
 
-def _error(main, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]  # progress bars come before it
-    assert last.startswith("error: "), err
-    return last
-
-
 # =====================================================================================
 # --resume keeps the run's arguments
 # =====================================================================================
-def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_path, capsys):
+def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_path, one_line_error):
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
     run = tmp_path / "r"
-    err = _error(grpo.main, ["--resume", str(run), "--lr", "0.5"], capsys)
+    err = one_line_error(grpo.main, ["--resume", str(run), "--lr", "0.5"])
     assert "--lr 0.5 (the run has 0.0002)" in err and "--steps" in err  # names what may change
-    err = _error(grpo.main, ["--resume", str(run), "--steps", "2", "--group-size", "4"], capsys)
+    err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "2", "--group-size", "4"])
     assert "--group-size 4 (the run has 2)" in err
     assert [r["step"] for r in harness.read_metrics(run)] == [1]  # nothing ran, nothing was lost
     # the same value as saved is not a change; RESUMABLE flags are applied
@@ -64,7 +53,7 @@ def test_changed_flags_compares_given_flags_only():
 # =====================================================================================
 # One process per run folder
 # =====================================================================================
-def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, capsys):
+def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, one_line_error):
     run = tmp_path / "r"
     first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *FAST, "--steps", "100000", "--save-every", "1",
                               "--output-dir", str(tmp_path), "--run-name", "r"],
@@ -74,9 +63,9 @@ def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, capsys):
         while time.time() < deadline and not (run / "latest").is_file():
             time.sleep(0.2)
         assert (run / "latest").is_file(), "the first run never saved"
-        err = _error(grpo.main, ["--resume", str(run)], capsys)  # e.g. a job launched twice
+        err = one_line_error(grpo.main, ["--resume", str(run)])  # e.g. a job launched twice
         assert f"is in use by process {first.pid}" in err
-        err = _error(grpo.main, [*FAST, "--output-dir", str(tmp_path), "--run-name", "r"], capsys)
+        err = one_line_error(grpo.main, [*FAST, "--output-dir", str(tmp_path), "--run-name", "r"])
         assert f"is in use by process {first.pid}" in err
         assert first.poll() is None  # the first run was not disturbed
     finally:
@@ -86,9 +75,9 @@ def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, capsys):
     grpo.main(["--resume", str(run), "--steps", str(done + 1)])  # the lock died with the process
 
 
-def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, capsys):
+def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, one_line_error):
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
-    _error(grpo.main, ["--resume", str(tmp_path / "r"), "--lr", "1"], capsys)  # fails after locking
+    one_line_error(grpo.main, ["--resume", str(tmp_path / "r"), "--lr", "1"])  # fails after locking
     grpo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])  # so the folder is free again
     assert not harness._ACTIVE_RUNS
 
@@ -153,7 +142,7 @@ def _small_disk(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-def test_a_really_full_disk_during_a_run(tmp_path, capsys):
+def test_a_really_full_disk_during_a_run(tmp_path, one_line_error):
     """On a 14 MB disk: the first checkpoint (a 3.2 MB model and its 6.4 MB of AdamW moments) fits,
     the second does not. The run
     stops with one line and resumes from the first checkpoint once there is room."""
@@ -161,8 +150,8 @@ def test_a_really_full_disk_during_a_run(tmp_path, capsys):
     if shutil.which("mount") is None or not _small_disk(disk, "14m"):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        err = _error(grpo.main, [*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
-                                 "--output-dir", str(disk), "--run-name", "r"], capsys)
+        err = one_line_error(grpo.main, [*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+                                         "--output-dir", str(disk), "--run-name", "r"])
         assert "cannot write checkpoint-2" in err and "not enough disk space (it needs about" in err, err
         assert "the previous checkpoint and 'latest' are kept" in err
         _assert_previous_checkpoint_intact(disk / "r", 1)
@@ -185,8 +174,8 @@ def no_tokenizer(tmp_path):
     return folder
 
 
-def test_a_folder_without_tokenizer_files_is_one_line(no_tokenizer, tmp_path, capsys):
-    err = _error(grpo.main, ["--model", str(no_tokenizer), "--output-dir", str(tmp_path)], capsys)
+def test_a_folder_without_tokenizer_files_is_one_line(no_tokenizer, tmp_path, capsys, one_line_error):
+    err = one_line_error(grpo.main, ["--model", str(no_tokenizer), "--output-dir", str(tmp_path)])
     assert "has no tokenizer files" in err
     assert ev.main(["--model", str(no_tokenizer), "--output-dir", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err.strip()

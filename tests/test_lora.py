@@ -147,28 +147,19 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
 # =====================================================================================
 # Bad input: one line each
 # =====================================================================================
-def _error(main, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    return err.strip().splitlines()[-1]
-
-
-def test_bad_lora_input_is_one_line(tmp_path, capsys, monkeypatch):
+def test_bad_lora_input_is_one_line(tmp_path, monkeypatch, one_line_error):
     out = ["--output-dir", str(tmp_path)]
-    assert "--lora-rank must be >= 0" in _error(grpo.main, ["--lora-rank", "-1", *out], capsys)
-    assert "--lora-alpha > 0" in _error(grpo.main, ["--lora-rank", "4", "--lora-alpha", "0", *out], capsys)
-    err = _error(grpo.main, [*FAST, "--lora-target-modules", "nope_proj", *out, "--run-name", "a"], capsys)
+    assert "--lora-rank must be >= 0" in one_line_error(grpo.main, ["--lora-rank", "-1", *out])
+    assert "--lora-alpha > 0" in one_line_error(grpo.main, ["--lora-rank", "4", "--lora-alpha", "0", *out])
+    err = one_line_error(grpo.main, [*FAST, "--lora-target-modules", "nope_proj", *out, "--run-name", "a"])
     assert err.startswith("error: cannot add LoRA adapters") and "nope_proj" in err
-    err = _error(grpo.main, [*FAST, "--lora-target-modules", "norm", *out, "--run-name", "b"], capsys)  # RMSNorm
+    err = one_line_error(grpo.main, [*FAST, "--lora-target-modules", "norm", *out, "--run-name", "b"])  # RMSNorm
     assert err.startswith("error: cannot add LoRA adapters")
     grpo.main([*FAST, "--steps", "1", *out, "--run-name", "c"])
-    err = _error(grpo.main, ["--resume", str(tmp_path / "c"), "--lora-rank", "8"], capsys)
+    err = one_line_error(grpo.main, ["--resume", str(tmp_path / "c"), "--lora-rank", "8"])
     assert "--lora-rank 8 (the run has 4)" in err
     monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
-    assert "--lora-rank needs peft: pip install peft" in _error(grpo.main, [*FAST, *out, "--run-name", "d"], capsys)
+    assert "--lora-rank needs peft: pip install peft" in one_line_error(grpo.main, [*FAST, *out, "--run-name", "d"])
 
 
 def test_the_lora_learning_rate_comes_from_the_preset():

@@ -6,6 +6,7 @@ import csv
 import doctest
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -96,6 +97,8 @@ def test_errors_are_one_line(tmp_path, capsys):
         (["--configs", "grpo,nope"], "unknown config 'nope'"),
         (["--seeds", "1,x"], "--seeds must be a comma list"),
         (["--threshold-frac", "1.5"], "--threshold-frac must be in (0, 1]"),
+        (["--threshold", "0", "--no-run"], "--threshold must be in (0, 1]"),  # --no-run: a broken
+        (["--threshold", "1.01", "--no-run"], "--threshold must be in (0, 1]"),  # check trains nothing
         (["--jobs", "0"], "--jobs must be at least 1"),
         (["--no-run"], "no runs in"),
     ):
@@ -168,6 +171,10 @@ def test_configs_and_settings(tmp_path):
     assert default[-3:] == ["tepo-token-ratio", "tepo-no-kl", "tepo-mask-ref"]
     for name in ("erpo", "sapo"):
         assert (name in default) == study.script_available(name)
+    assert "tepo-seq-gspo" not in default  # PLAN.md's candidate (b): only by --configs
+    assert study.resolve_configs("grpo,tepo-seq-gspo") == ["grpo", "tepo-seq-gspo"]
+    assert study.CONFIGS["tepo-seq-gspo"] == ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"])
+    assert study.CANDIDATES == ("tepo", "tepo-seq-gspo", "tepo-token-ratio")
     assert study.resolve_seeds("3,1") == [3, 1]
     args = study.Args()
     study.check_same_settings(tmp_path, args, ["grpo"])
@@ -395,6 +402,232 @@ def test_resumes_on_disk_are_not_counted(tmp_path):
     runs, unfinished = study.load_runs(out, ["grpo"], [1])
     assert unfinished == [] and [r["seconds"] for r in runs["grpo", 1]][:7] == [
         0, 3, 6, 9, 12, 15, 18]
+
+
+
+
+# =====================================================================================
+# PLAN.md's paired statistics, on hand-made values
+# =====================================================================================
+def test_censored_steps():
+    rows = _rows(reach=40, steps=160)
+    assert study.censored_steps(rows, 0.54, 160, 10) == 40
+    assert study.censored_steps(rows, 0.6, 160, 10) == 40  # at the threshold counts
+    assert study.censored_steps(rows, 0.61, 160, 10) == 170  # never reached: 160 + 10
+    assert study.censored_steps(_rows(None, steps=160), 0.54, 160, 10) == 170
+    assert study.censored_steps(_rows(None, steps=150, every=5), 0.54, 150, 5) == 155
+    runs = {("grpo", 1): _rows(40, steps=160), ("grpo", 2): _rows(None, steps=160)}
+    g = study.aggregate(runs, ["grpo"], 0.54, eval_every=10)["grpo"]
+    assert g["censored_steps"] == [40, 170] and g["reach_steps"] == [40, None]
+    assert study.aggregate(runs, ["grpo"], None)["grpo"]["censored_steps"] == [None, None]
+
+
+def test_percentile_convention():
+    # sorted means m, k = floor((1 - level) / 2 x B): (m[k], m[B - 1 - k])
+    assert study.percentile_interval(list(range(10000))) == (250, 9749)
+    assert study.percentile_interval(list(range(9999, -1, -1))) == (250, 9749)  # sorted first
+    assert study.percentile_interval(list(range(40))) == (1, 38)  # 0.025 x 40 = 1
+    assert study.percentile_interval(list(range(20))) == (0, 19)  # 0.025 x 20 = 0.5 -> 0
+    assert study.percentile_interval(list(range(100)), 0.9) == (5, 94)  # 4.999... in floats -> 5
+    assert study.percentile_interval([3.0]) == (3.0, 3.0)
+
+
+def test_bootstrap_ci():
+    assert study.bootstrap_ci([0.0, 1.0]) == (0.0, 1.0)  # each end has p 1/4 > 2.5%
+    assert study.bootstrap_ci([2, 2, 2]) == (2.0, 2.0)
+    assert study.bootstrap_ci([7]) == (7.0, 7.0)
+    # resampled means of [0, 0, 0, 1] are j/4, j ~ Binomial(4, 1/4): P(mean = 0) = 81/256 puts
+    # m[250] at 0; P(mean >= 0.75) = 13/256 = 5.1% > 2.5% > P(mean = 1) = 1/256 puts m[9749] at 0.75
+    assert study.bootstrap_ci([0, 0, 0, 1]) == (0.0, 0.75)
+    # three values: each end (all three draws alike) has p 1/27 = 3.7% > 2.5%: the min and the max
+    assert study.bootstrap_ci([-20, -30, -40]) == (-40.0, -20.0)
+    assert study.bootstrap_ci([0.5, 2 / 3, 0.5]) == (0.5, 2 / 3)
+    # five values: each end has p 1 / 3125, far under 2.5%: strictly inside [min, max]
+    lo, hi = study.bootstrap_ci([1, 2, 3, 4, 5])
+    assert 1 < lo < 3 < hi < 5
+    assert study.bootstrap_ci([1, 2, 3, 4, 5]) == (lo, hi)  # random.Random(0): the same each time
+    # the resampling itself: one resample is random.Random(seed).choices(values, k=len(values))
+    values = [1.0, 2.0, 4.0, 8.0, 16.0]
+    for seed in (0, 1):
+        one = sum(random.Random(seed).choices(values, k=5)) / 5
+        assert study.bootstrap_ci(values, n_boot=1, seed=seed) == (one, one)
+    assert study.bootstrap_ci(values, n_boot=1, seed=0) != study.bootstrap_ci(values, n_boot=1, seed=1)
+    with pytest.raises(ValueError):
+        study.bootstrap_ci([])
+
+
+def test_paired_differences_ratios():
+    pairs = study.paired({3: 30, 1: 10, 2: 20}, {2: 4, 3: 5, 4: 6, 1: 0})
+    assert pairs == [(10, 0), (20, 4), (30, 5)]  # the common seeds, in seed order
+    assert study.paired({1: 1}, {2: 2}) == []
+    # seed order, not a set's order ({8, 1, 3} iterates 8 first)
+    assert study.paired({8: 80, 1: 10, 3: 30}, {3: 3, 1: 1, 8: 8}) == [(10, 1), (30, 3), (80, 8)]
+    assert study.differences(pairs) == [10, 16, 25]
+    assert study.ratios(pairs[1:]) == [5.0, 6.0]
+    assert study.ratios(pairs) is None  # a baseline at the threshold at step 0: no ratio
+    assert study.by_seed({"seeds": [2, 5], "x": [0.1, 0.2]}, "x") == {2: 0.1, 5: 0.2}
+
+
+def test_claim_verdict_and_combine():
+    assert study.claim_verdict(0.3, 0.7) == "confirmed"
+    assert study.claim_verdict(0.6, 0.9) == "refuted"
+    assert study.claim_verdict(0.4, 1.1) == "inconclusive"
+    assert study.claim_verdict(0.5, 0.9) == "confirmed"  # lo == 0.5: a halving is in the interval
+    assert study.claim_verdict(0.3, 1.0) == "inconclusive"  # hi == 1: not faster with confidence
+    assert study.claim_verdict(0.5, 1.0) == "inconclusive"
+    assert study.claim_verdict(0.500001, 1.2) == "refuted"  # lo > 0.5, whatever hi
+    assert study.claim_verdict(0.2, 0.45) == "confirmed"  # a halving beaten
+    assert study.combine_claim(["confirmed", "confirmed"]) == "confirmed"
+    assert study.combine_claim(["confirmed", "inconclusive"]) == "inconclusive"
+    assert study.combine_claim(["confirmed", "refuted"]) == "refuted"
+    assert study.combine_claim(["inconclusive", "refuted"]) == "refuted"
+    assert study.combine_claim(["inconclusive", "inconclusive"]) == "inconclusive"
+    assert study.combine_claim([]) == "inconclusive"
+
+
+def _st(steps, acc=0.6):
+    """Hand-made aggregate() entry: per-seed censored steps, final sampled accuracy acc."""
+    acc = acc if isinstance(acc, list) else [acc] * len(steps)
+    return {"seeds": list(range(1, len(steps) + 1)), "censored_steps": steps, "sampled": acc}
+
+
+def test_candidate_scores_take_the_larger_ratio():
+    # X: ratios to GRPO 0.2, 0.5 (mean 0.35), to DAPO 0.1, 1.0 (0.55): score 0.55, the larger.
+    # Y: 0.7, 0.35 and 0.35, 0.7: score 0.525. By the larger Y is ahead; by the smaller (0.35 vs
+    # 0.525) or the mean over both (0.45 vs 0.525), X would be.
+    stats = {"grpo": _st([100, 200]), "dapo": _st([200, 100]), "tepo": _st([20, 100]),
+             "tepo-seq-gspo": _st([70, 70]), "tepo-token-ratio": _st([200, 200])}
+    scores = study.candidate_scores(stats)
+    assert scores == pytest.approx({"tepo": 0.55, "tepo-seq-gspo": 0.525, "tepo-token-ratio": 1.5})
+    assert study.candidate_scores({"grpo": _st([100]), "tepo": _st([50])}) == {"tepo": None}
+
+
+BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
+
+
+def test_pick_default_lowest_score_when_the_interval_excludes_0():
+    # scores: tepo 0.9, gspo 0.6, token 0.8; gspo - token = -30, -20, -10: CI [-30, -10], no 0.
+    # token's accuracy is far higher, but the accuracy does not decide here.
+    stats = {**BASE, "tepo": _st([90, 90, 90], 0.5), "tepo-seq-gspo": _st([50, 60, 70], 0.5),
+             "tepo-token-ratio": _st([80, 80, 80], 0.7)}
+    name, why = study.pick_default(stats)
+    assert name == "tepo-seq-gspo", why
+    assert "tepo 0.900, tepo-seq-gspo 0.600, tepo-token-ratio 0.800" in why
+    assert "-20.0 [95% CI -30.0, -10.0] excludes 0" in why
+
+
+def test_pick_default_accuracy_decides_when_the_interval_contains_0():
+    # scores: gspo 0.7 (best), token 0.8, tepo 0.9; gspo - token = 0, -10, -20: the resampled
+    # mean is 0 only when all three draws are seed 1 (p 1/27 = 3.7% > 2.5%), so CI [-20, 0]
+    # holds 0 at its end. Then token's accuracy, 0.05 higher, wins; tepo's, higher still, is not
+    # one of the two best and does not count.
+    stats = {**BASE, "tepo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([80, 70, 60], 0.5),
+             "tepo-token-ratio": _st([80, 80, 80], 0.55)}
+    name, why = study.pick_default(stats)
+    assert name == "tepo-token-ratio", why
+    assert "[95% CI -20.0, +0.0] contains 0" in why and "tepo-seq-gspo 0.500, tepo-token-ratio 0.550" in why
+
+
+def test_pick_default_tepo_stays_when_accuracies_are_within_0_01():
+    # scores: gspo 0.6, token 0.617, tepo 0.9 (last); gspo - token = -5, -5, +5: CI [-5, 5].
+    # Accuracies 0.60 and 0.61: within 0.01 (the end included), so (a) tepo stays, last or not.
+    stats = {**BASE, "tepo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([50, 60, 70], 0.6),
+             "tepo-token-ratio": _st([55, 65, 65], 0.61)}
+    name, why = study.pick_default(stats)
+    assert name == "tepo", why
+    assert "contains 0" in why and "(a) `tepo` stays" in why
+    stats["tepo-token-ratio"] = _st([55, 65, 65], 0.6101)  # just over 0.01: the higher wins
+    assert study.pick_default(stats)[0] == "tepo-token-ratio"
+
+
+def test_pick_default_without_a_rule_to_apply():
+    stats = {**BASE, "tepo": _st([90, 90, 90]), "tepo-seq-gspo": _st([50, 60, 70])}
+    assert study.pick_default(stats) == (None, "no pick: no finished runs of tepo-token-ratio")
+    stats["tepo-token-ratio"] = _st([80, 80, 80])
+    stats["grpo"] = _st([0, 100, 100])  # at the threshold at step 0: no ratio
+    name, why = study.pick_default(stats)
+    assert name is None and "step 0" in why
+
+
+def _study_runs(**reach_by_config):
+    """160-step runs, evaluated every 10, one per seed 1, 2, 3 (None: never reaches 0.6)."""
+    return {(c, s): _rows(r, steps=160) for c, reaches in reach_by_config.items()
+            for s, r in zip((1, 2, 3), reaches)}
+
+
+def _summary(tmp_path, runs, threshold=None, **args):
+    configs = list(dict.fromkeys(c for c, _ in runs))
+    thr = threshold if threshold is not None else study.threshold_of(runs, 0.9)
+    stats = study.aggregate(runs, configs, thr, eval_every=10)
+    study.write_summary(tmp_path, study.Args(configs=",".join(configs), threshold=threshold, **args),
+                        stats, thr, [], configs)
+    return (tmp_path / "summary.md").read_text()
+
+
+def test_summary_paired_section_development(tmp_path):
+    # threshold 0.9 x 0.6 = 0.54. Censored steps: grpo 40, 60, 80; dapo 80, 120, 170 (never);
+    # tepo 20, 30, 40; gspo 170 (never, final 0.2), 30, 40; token 20, 40, 40. With three seeds
+    # each end of an interval has p 1/27 > 2.5%: the intervals are [min, max] of the per-seed values.
+    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], tepo=[20, 30, 40],
+                       **{"tepo-seq-gspo": [None, 30, 40], "tepo-token-ratio": [20, 40, 40]})
+    summary = _summary(tmp_path, runs)
+    assert "## Verdict" in summary and "| tepo | 3 | 160 |" in summary  # the first study's content
+    assert "## Paired by seed (docs/study/PLAN.md)" in summary
+    assert "`--threshold 0.54`" in summary or "`--threshold 0.5399999999999999`" in summary
+    # tepo - grpo = -20, -30, -40; ratios 0.5 each; accuracies alike
+    assert "| tepo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | " \
+           "+0.000 [+0.000, +0.000] |" in summary
+    # tepo - dapo = -60, -90, -130 (mean -93.3); ratios 0.25, 0.25, 40/170 = 0.235 (mean 0.245)
+    assert "| tepo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |" in summary
+    # gspo - grpo = 130, -30, -40 (mean 20); ratios 4.25, 0.5, 0.5 (mean 1.75); acc -0.4, 0, 0
+    assert "| tepo-seq-gspo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | " \
+           "-0.133 [-0.400, +0.000] |" in summary
+    assert "| seed | grpo | dapo | tepo | tepo-seq-gspo | tepo-token-ratio |" in summary
+    assert "| 1 | 40 / 0.600 | 80 / 0.600 | 20 / 0.600 | 170* / 0.200 | 20 / 0.600 |" in summary
+    assert "| 3 | 80 / 0.600 | 170* / 0.200 | 40 / 0.600 | 40 / 0.600 | 40 / 0.600 |" in summary
+    # scores: tepo max(0.5, 0.245) = 0.5; gspo max(1.75, 0.870) = 1.75; token: to grpo 0.5, 0.667,
+    # 0.5 (0.556), to dapo 0.272: 0.556. The two best: tepo and token, tepo - token = 0, -10, 0:
+    # CI [-10, 0] holds 0; accuracies 0.6 and 0.6: tepo stays.
+    assert "**New default by PLAN.md's rule** (seeds 1, 2, 3): `tepo`. Scores" in summary
+    assert "tepo 0.500, tepo-seq-gspo 1.750, tepo-token-ratio 0.556" in summary
+    assert "(a) `tepo` stays" in summary
+    assert "Verdict on \"50% faster\" by PLAN.md's rule" not in summary  # three TEPO configs
+
+
+def test_summary_paired_section_confirmation(tmp_path):
+    # fixed threshold 0.54; gspo 30, 50, 60 against grpo 80, 120, 170: ratios 0.375, 0.417, 0.353,
+    # CI [0.353, 0.417]: confirmed. Against dapo 40, 60, 80: 0.75, 0.833, 0.75, CI [0.75, 0.833]:
+    # lo > 0.5, refuted. The claim: refuted (refuted against one, whatever the other).
+    runs = _study_runs(grpo=[80, 120, None], dapo=[40, 60, 80], **{"tepo-seq-gspo": [30, 50, 60]})
+    summary = _summary(tmp_path, runs, threshold=0.54)
+    assert "**Threshold**: 0.540 held-out sampled accuracy fixed by --threshold 0.54." in summary
+    assert "| tepo-seq-gspo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |" in summary
+    assert "| tepo-seq-gspo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |" in summary
+    assert ("**Verdict on \"50% faster\" by PLAN.md's rule** (`tepo-seq-gspo`, seeds 1, 2, 3): "
+            "against GRPO **confirmed** (ratio 0.382 [0.353, 0.417]); against DAPO **refuted** "
+            "(ratio 0.778 [0.750, 0.833]). The claim: **refuted**.") in summary
+    assert "New default by PLAN.md's rule" not in summary  # one candidate only
+    # all faster than half of both: confirmed against each, and so the claim
+    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], **{"tepo-seq-gspo": [20, 20, 30]})
+    assert "The claim: **confirmed**." in _summary(tmp_path, runs, threshold=0.54)
+
+
+def test_summary_without_the_paired_section(tmp_path):
+    runs = _study_runs(grpo=[40, 60, 80], tepo=[20, 30, 40])  # no dapo
+    assert "Paired by seed" not in _summary(tmp_path, runs)
+    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], erpo=[20, 30, 40])  # no candidate
+    assert "Paired by seed" not in _summary(tmp_path, runs)
+
+
+def test_fixed_threshold_from_disk(tmp_path):
+    """--threshold replaces --threshold-frac x GRPO's mean, also with no grpo run at all."""
+    out = tmp_path / "s"
+    for seed, reach in zip((1, 2, 3), [40, 50, 60]):
+        _write_run(out, f"tepo-s{seed}", reach)
+    assert study.main(["--configs", "tepo", "--out", str(out), "--no-run", "--threshold", "0.5"]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "**Threshold**: 0.500 held-out sampled accuracy fixed by --threshold 0.5." in summary
+    assert "- tepo: s1 40, s2 50, s3 60" in summary
 
 
 def test_doctests():

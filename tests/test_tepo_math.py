@@ -326,6 +326,24 @@ def test_defaults_are_sequence_level_clip_0_2_0_28_and_kl_0_04():
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
+def test_where_the_kl_sits_by_hand():
+    # k3(ref, logp) with logp = 0 and ref = d: e^d - d - 1 per token; the padded token holds a huge d
+    d = torch.tensor([[1.0, LN2, -LN2, LN3], [2.0, -1.0, 9.0, 9.0]])
+    k = torch.exp(d) - d - 1  # [[e - 2, 1 - ln 2, 1/2 + ln 2 - 1, 2 - ln 3], [e^2 - 3, 1/e, ., .]]
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).float()
+    A = torch.tensor([1.0, -1.0])
+    M = torch.tensor([[True, False, True, False], [False, False, False, False]])
+    st = tepo.tepo_stats(torch.zeros(2, 4), torch.zeros(2, 4), d, A, mask, M, torch.ones(2, 4))
+    # row 0 is A > 0 (4 tokens), row 1 A < 0 (2 tokens); off the mask: (0,1), (0,3), (1,0), (1,1)
+    assert st["kl_pos_adv"] == pytest.approx(k[0].mean().item(), abs=1e-6)
+    assert st["kl_neg_adv"] == pytest.approx((k[1, 0] + k[1, 1]).item() / 2, abs=1e-6)
+    assert st["kl_off_mask"] == pytest.approx((k[0, 1] + k[0, 3] + k[1, 0] + k[1, 1]).item() / 4, abs=1e-6)
+    # positions: row 0 at 1/4, 2/4, 3/4, 1; row 1 at 1/2, 1: first quarter (0,0); last (0,3), (1,1)
+    assert st["kl_first_quarter"] == pytest.approx(math.e - 2, abs=1e-6)
+    assert st["kl_last_quarter"] == pytest.approx((2 - LN3 + math.exp(-1)) / 2, abs=1e-6)
+    assert st["kl_token_max"] == pytest.approx(math.exp(2) - 3, abs=1e-5)  # not the padding's e^9 - 10
+
+
 # ====================================================================== 5. micro-batch invariance
 @pytest.mark.parametrize("ratio_level", ["sequence", "token"])
 def test_micro_batch_invariance_of_value_and_gradients(ratio_level):

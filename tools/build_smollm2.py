@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import UserError, first_line  # noqa: E402
+from harness import user_errors  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -81,11 +82,8 @@ def main(argv=None) -> int:
     if argv[:1] in (["-h"], ["--help"]) or len(argv) > 1:
         print(__doc__.strip() + "\n\nusage: python tools/build_smollm2.py [OUT_DIR]")
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    try:
+    with user_errors():  # a UserError: one line, exit 2
         build(Path(argv[0]) if argv else DEFAULT_OUT)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     return 0
 
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import UserError, first_line  # noqa: E402
+from harness import user_errors  # noqa: E402
 
 
 def export_merged(checkpoint: str, out: str) -> Path:
@@ -58,11 +59,8 @@ def main(argv=None) -> int:
         print(__doc__.strip().splitlines()[0] + "\n\nusage: python tools/export_merged.py CHECKPOINT OUT_DIR",
               file=sys.stderr if len(argv) != 2 else sys.stdout)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    try:
+    with user_errors():  # a UserError: one line, exit 2
         print(f"merged model written to {export_merged(*argv)}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     return 0
 
 

@@ -9,6 +9,18 @@ to first reach a fixed held-out accuracy (our reading).
     python tools/study.py --no-run           # only re-aggregate what is already in runs/study
     python tools/study.py --extra "--device cuda"  # flags given to every run alike
 
+The second study (docs/study/PLAN.md, fixed before its runs) is two commands. Development, seeds
+1-5, all five configs; its summary picks the new default and prints the threshold to fix:
+
+    python tools/study.py --jobs 2 --configs grpo,dapo,tepo,tepo-seq-gspo,tepo-token-ratio
+        --seeds 1,2,3,4,5 --out runs/study2-dev
+
+Confirmation, seeds 6-10, the baselines and the chosen default only, at the development
+threshold; its summary gives the verdict on "50% faster" by the plan's rule:
+
+    python tools/study.py --jobs 2 --configs grpo,dapo,<chosen> --seeds 6,7,8,9,10
+        --out runs/study2-confirm --threshold <fixed value>
+
 The full default study is 27 runs of 160 steps: 67 minutes at --jobs 2 on a quiet 2-core CPU
 (measured on 2026-12-01; its results are in docs/study/).
 
@@ -32,12 +44,17 @@ Outputs, in runs/study/ (--out):
     results.csv              one row per run and held-out evaluation: config, seed, step, seconds,
                              greedy_acc, sampled_acc
     steps.csv                one row per run and training step: config, seed, step, seconds,
-                             reward, accuracy, entropy, mask_frac, completion_len (empty cell =
-                             not logged by that script, e.g. mask_frac outside TEPO)
+                             reward, accuracy, entropy, mask_frac, completion_len,
+                             truncated_frac, clip_frac, kl, and TEPO's kl_* split of where the
+                             KL sits (empty cell = not logged by that script, e.g. mask_frac
+                             outside TEPO)
     curves.png               held-out accuracy against step and against seconds, entropy and
                              TEPO's mask_frac against step (mean over seeds, min-max band)
     summary.md               final accuracy, steps and seconds to a threshold, ratios to GRPO and
-                             DAPO, and the verdict on the claim, with the rule that produced it
+                             DAPO, and the verdict on the claim, with the rule that produced it;
+                             with both baselines and a PLAN.md candidate, the plan's statistics
+                             paired by seed (bootstrap intervals, its pick of the new default
+                             when all three candidates ran, its verdict when one TEPO config ran)
 
 "seconds" is wall-clock time since the run's step-0 row (logged right after the first held-out
 evaluation), so it counts every later evaluation, equally for all configs, and not the start-up.
@@ -54,13 +71,18 @@ Default configs (erpo and sapo only where their scripts exist):
     tepo-token-ratio           ablation: per-token ratios instead of the sequence ratio
     tepo-no-kl                 ablation: --kl-coef 0, no masked KL term at all
     tepo-mask-ref              ablation: observed test against the reference model's entropy
+Not in the default list, only by --configs:
+    tepo-seq-gspo              PLAN.md's candidate (b): the sequence ratio clipped at GSPO's
+                               3e-4 / 4e-4 instead of PPO's 0.2 / 0.28
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
+import random
 import re
 import shlex
 import signal
@@ -94,7 +116,11 @@ class Args:
     jobs: int = arg(1, "runs at once; each gets max(1, cores // jobs) torch threads")
     out: str = arg("runs/study", "study folder: runs/, logs/, results.csv, curves.png, summary.md")
     threshold_frac: float = arg(0.9, "threshold = this x GRPO's final mean held-out sampled "
-                                "accuracy")
+                                "accuracy (unless --threshold)")
+    threshold: float | None = arg(None, "a fixed held-out sampled accuracy threshold in (0, 1] "
+                                  "instead of --threshold-frac's; PLAN.md fixes it from the "
+                                  "development seeds for the confirmation seeds (their summary "
+                                  "prints the exact value)")
     no_run: bool = arg(False, "start no run: only aggregate the finished runs already in --out")
     eval_every: int = arg(10, "held-out evaluation every N steps (and at the first and last)")
     eval_n: int = arg(128, "held-out problems per evaluation")
@@ -113,9 +139,13 @@ CONFIGS = {
     "tepo-token-ratio": ("tepo", ["--ratio-level", "token"]),
     "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
+    "tepo-seq-gspo": ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"]),  # PLAN.md (b)
 }
-DEFAULT_CONFIGS = list(CONFIGS)
+DEFAULT_CONFIGS = [c for c in CONFIGS if c != "tepo-seq-gspo"]  # the first study's configs
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
+# PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence
+CANDIDATES = ("tepo", "tepo-seq-gspo", "tepo-token-ratio")
+ACC_TIE = 0.01  # PLAN.md: final sampled accuracies within this of each other do not decide
 CLAIMED = "tepo"  # the config the verdict is about: TEPO as tepo.py runs by default
 CLAIM_RATIO = 0.6  # "about half the time": at most 0.6x the baseline's steps (or seconds)
 FIXED_FLAGS = ["--save-every", "100000", "--sample-every", "100000", "--tensorboard", "false"]
@@ -156,6 +186,8 @@ def check_args(args: Args) -> None:
         f"--jobs must be at least 1, not {args.jobs}": args.jobs >= 1,
         f"--threshold-frac must be in (0, 1], not {args.threshold_frac}":
             0 < args.threshold_frac <= 1,
+        f"--threshold must be in (0, 1], not {args.threshold}":
+            args.threshold is None or 0 < args.threshold <= 1,
     })  # --steps, --eval-every, --eval-n >= 1: checked by name in common.check_args
 
 
@@ -413,10 +445,10 @@ def threshold_of(runs: dict, threshold_frac: float) -> float | None:
     return threshold_frac * mean_std(finals)[0] if finals else None
 
 
-def aggregate(runs: dict, configs: list[str], threshold: float | None) -> dict:
+def aggregate(runs: dict, configs: list[str], threshold: float | None, eval_every: int = 10) -> dict:
     """Per config: seeds, held-out sampled accuracy before training ("start") and at the end,
     final greedy accuracy, and per-seed steps / seconds to the threshold (None: never reached,
-    or no threshold)."""
+    or no threshold), and PLAN.md's censored steps (never reached: last step + eval_every)."""
     stats = {}
     for config in configs:
         seeds = sorted(s for c, s in runs if c == config)
@@ -434,6 +466,9 @@ def aggregate(runs: dict, configs: list[str], threshold: float | None) -> dict:
             "greedy": [f["eval/greedy_acc"] for f in finals],
             "reach_steps": [r[0] if r else None for r in reach],
             "reach_seconds": [r[1] if r else None for r in reach],
+            "censored_steps": [censored_steps(runs[config, s], threshold, runs[config, s][-1]["step"],
+                                              eval_every) if threshold is not None else None
+                               for s in seeds],
             "mask_frac": [run_mean(runs[config, s], "mask_frac") for s in seeds],
             "seconds_per_step": [runs[config, s][-1]["seconds"] / max(1, runs[config, s][-1]["step"])
                                  for s in seeds],
@@ -548,9 +583,264 @@ def verdict(stats: dict, threshold: float | None) -> tuple[str | None, str]:
 
 
 # =====================================================================================
+# Paired statistics (docs/study/PLAN.md)
+# =====================================================================================
+def censored_steps(rows: list[dict], threshold: float, max_steps: int, eval_every: int) -> int:
+    """Steps to the threshold, where a run that never reaches it counts as the evaluation after
+    its last one (PLAN.md: 160 + 10 = 170): a lower bound on its true steps, so it favours that run.
+
+    >>> rows = [{"step": 0, "seconds": 0.0, "eval/sampled_acc": 0.2},
+    ...         {"step": 10, "seconds": 30.0, "eval/sampled_acc": 0.5}, {"step": 11, "seconds": 33.0}]
+    >>> censored_steps(rows, 0.5, 160, 10), censored_steps(rows, 0.6, 160, 10)
+    (10, 170)
+    """
+    reached = first_reach(rows, threshold)
+    return reached[0] if reached else max_steps + eval_every
+
+
+def percentile_interval(means: list[float], level: float = 0.95) -> tuple[float, float]:
+    """bootstrap_ci's percentile convention, written once: with the B values sorted,
+    m[0] <= ... <= m[B - 1], and k = floor((1 - level) / 2 x B), the interval is
+    (m[k], m[B - 1 - k]); B - 1 - k is ceil((1 + level) / 2 x B) - 1. At 95% with B = 10,000:
+    m[250] and m[9749], the 251st smallest and the 251st largest.
+
+    >>> percentile_interval(list(range(10000)))
+    (250, 9749)
+    >>> percentile_interval(list(range(40))), percentile_interval(list(range(20)))
+    ((1, 38), (0, 19))
+    >>> percentile_interval(list(range(100)), level=0.9)  # (1 - 0.9) / 2 x 100 is 4.99999... in floats
+    (5, 94)
+    """
+    m = sorted(means)
+    k = math.floor((1 - level) / 2 * len(m) + 1e-9)  # + 1e-9: float products just under an integer
+    return m[k], m[len(m) - 1 - k]
+
+
+def bootstrap_ci(values: list[float], n_boot: int = 10000, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float]:
+    """PLAN.md's percentile bootstrap interval of the mean, numpy-free so that it is the same
+    everywhere: n_boot resamples of the values with replacement (random.Random(seed).choices,
+    as many as there are values), the mean of each, then percentile_interval. With five seeds it
+    is wide; that is the point of reporting it.
+
+    >>> bootstrap_ci([0.0, 1.0])  # means 0, 0.5, 1 with p 1/4, 1/2, 1/4: both ends are > 2.5%
+    (0.0, 1.0)
+    >>> bootstrap_ci([0, 0, 0, 1])  # P(mean >= 0.75) = 13/256 = 5.1% > 2.5% > P(mean = 1) = 0.4%
+    (0.0, 0.75)
+    >>> bootstrap_ci([-20, -30, -40])  # 3 seeds: each end has p 1/27 = 3.7% > 2.5%: min and max
+    (-40.0, -20.0)
+    >>> bootstrap_ci([2, 2, 2]), bootstrap_ci([7])
+    ((2.0, 2.0), (7.0, 7.0))
+    """
+    if not values:
+        raise ValueError("bootstrap_ci needs at least one value")
+    rng, n = random.Random(seed), len(values)
+    return percentile_interval([sum(rng.choices(values, k=n)) / n for _ in range(n_boot)], level)
+
+
+def paired(x: dict[int, float], y: dict[int, float]) -> list[tuple[float, float]]:
+    """(x_s, y_s) for the seeds both ran, in seed order: a seed fixes the prompt order and the
+    sampling for every config alike, so seed s of one config is compared with seed s of another.
+
+    >>> paired({3: 30, 1: 10, 2: 20}, {2: 4, 3: 5, 4: 6})
+    [(20, 4), (30, 5)]
+    """
+    return [(x[s], y[s]) for s in sorted(x.keys() & y.keys())]
+
+
+def differences(pairs: list[tuple[float, float]]) -> list[float]:
+    """d_s = X_s - Y_s per seed.
+
+    >>> differences([(20, 40), (30, 60)])
+    [-20, -30]
+    """
+    return [a - b for a, b in pairs]
+
+
+def ratios(pairs: list[tuple[float, float]]) -> list[float] | None:
+    """r_s = X_s / Y_s per seed; None when a Y_s is 0 (a baseline at the threshold at step 0:
+    the threshold is not above the accuracy before training, and there is no ratio).
+
+    >>> ratios([(20, 40), (30, 60)]), ratios([(20, 40), (30, 0)])
+    ([0.5, 0.5], None)
+    """
+    return None if any(b == 0 for _, b in pairs) else [a / b for a, b in pairs]
+
+
+def by_seed(s: dict, key: str) -> dict[int, float]:
+    """One config's per-seed list from aggregate(), as {seed: value}."""
+    return dict(zip(s["seeds"], s[key]))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def claim_verdict(lo: float, hi: float) -> str:
+    """PLAN.md's verdict on "50% faster" against one baseline, from the 95% bootstrap interval
+    [lo, hi] of the mean paired ratio of steps: confirmed if hi < 1 (faster, with confidence) and
+    lo <= 0.5 (a halving is within the interval, or beaten); refuted if lo > 0.5; else inconclusive.
+
+    >>> claim_verdict(0.3, 0.7), claim_verdict(0.6, 0.9), claim_verdict(0.4, 1.1)
+    ('confirmed', 'refuted', 'inconclusive')
+    >>> claim_verdict(0.5, 0.9), claim_verdict(0.3, 1.0)  # lo = 0.5 is within, hi = 1 is not < 1
+    ('confirmed', 'inconclusive')
+    """
+    if hi < 1 and lo <= 0.5:
+        return "confirmed"
+    return "refuted" if lo > 0.5 else "inconclusive"
+
+
+def combine_claim(verdicts: list[str]) -> str:
+    """PLAN.md: the claim is confirmed if confirmed against both GRPO and DAPO, refuted if refuted
+    against either, inconclusive otherwise.
+
+    >>> combine_claim(["confirmed", "confirmed"]), combine_claim(["confirmed", "inconclusive"])
+    ('confirmed', 'inconclusive')
+    >>> combine_claim(["inconclusive", "refuted"]), combine_claim([])
+    ('refuted', 'inconclusive')
+    """
+    if "refuted" in verdicts:
+        return "refuted"
+    return "confirmed" if verdicts and all(v == "confirmed" for v in verdicts) else "inconclusive"
+
+
+def candidate_scores(stats: dict) -> dict[str, float | None]:
+    """PLAN.md's rule, step 1: per candidate present, the larger of its mean paired ratio of
+    censored steps to GRPO's and to DAPO's (it must be fast against both); None where a ratio is
+    undefined or a baseline is missing.
+
+    >>> st = lambda steps: {"seeds": [1, 2], "censored_steps": steps}
+    >>> candidate_scores({"grpo": st([100, 200]), "dapo": st([200, 100]), "tepo": st([20, 100])})
+    {'tepo': 0.55}
+    """
+    scores = {}
+    for c in (c for c in CANDIDATES if c in stats):
+        means = []
+        for b in BASELINES:
+            r = b in stats and ratios(paired(by_seed(stats[c], "censored_steps"),
+                                             by_seed(stats[b], "censored_steps")))
+            means.append(_mean(r) if r else None)
+        scores[c] = None if None in means else max(means)
+    return scores
+
+
+def pick_default(stats: dict) -> tuple[str | None, str]:
+    """PLAN.md's rule for tepo.py's new default, on the development seeds: (the config, or None
+    when the rule cannot be applied; the reason). 1. score = candidate_scores; 2. the lowest
+    score wins (a tie goes to the earlier of CANDIDATES); 3. if the bootstrap interval of the two
+    best candidates' paired difference in censored steps contains 0 (ends included), the one with
+    the higher mean final sampled accuracy over the same seeds wins instead, and if those are
+    within ACC_TIE (0.01, included), (a) `tepo` stays: no change without evidence."""
+    if missing := [c for c in (*CANDIDATES, *BASELINES) if c not in stats]:
+        return None, f"no pick: no finished runs of {', '.join(missing)}"
+    scores = candidate_scores(stats)
+    if None in scores.values():
+        return None, ("no pick: a baseline run was at the threshold at step 0 (the threshold is "
+                      "not above the accuracy before training), so a ratio is undefined")
+    ranked = sorted(CANDIDATES, key=lambda c: (scores[c], CANDIDATES.index(c)))
+    best, second = ranked[:2]
+    steps = differences(paired(by_seed(stats[best], "censored_steps"),
+                               by_seed(stats[second], "censored_steps")))
+    if not steps:
+        return None, f"no pick: {best} and {second} have no seed in common"
+    lo, hi = bootstrap_ci(steps)
+    why = ("scores (the larger of the mean paired step ratios to GRPO and to DAPO): "
+           + ", ".join(f"{c} {scores[c]:.3f}" for c in CANDIDATES)
+           + f"; the two best, {best} and {second}: paired difference in steps {_mean(steps):+.1f} "
+           f"[95% CI {lo:+.1f}, {hi:+.1f}]")
+    if not lo <= 0 <= hi:
+        return best, why + f" excludes 0, so the lowest score wins: `{best}`"
+    acc = paired(by_seed(stats[best], "sampled"), by_seed(stats[second], "sampled"))
+    a, b = _mean([x for x, _ in acc]), _mean([y for _, y in acc])
+    why += (f" contains 0, so the final sampled accuracy decides: {best} {a:.3f}, "
+            f"{second} {b:.3f}")
+    if abs(a - b) <= ACC_TIE + 1e-9:  # + 1e-9: 0.61 - 0.60 is 0.0100000000000000009 in floats
+        return CANDIDATES[0], why + f", within {ACC_TIE}: (a) `{CANDIDATES[0]}` stays (no change without evidence)"
+    winner = best if a > b else second
+    return winner, why + f": `{winner}`, the higher"
+
+
+def _fmt_ci(values: list[float] | None, fmt: str) -> str:
+    """mean [95% CI lo, hi] of the values, each with the format spec `fmt`; - when undefined."""
+    if not values:
+        return "-"
+    lo, hi = bootstrap_ci(values)
+    return f"{_mean(values):{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
+def paired_section(stats: dict, threshold: float | None, eval_every: int) -> list[str]:
+    """summary.md's lines for PLAN.md's analysis; none unless the study has both baselines, a
+    candidate and a threshold."""
+    if (threshold is None or any(b not in stats for b in BASELINES)
+            or not any(c in stats for c in CANDIDATES)):
+        return []
+    lines = ["", "## Paired by seed (docs/study/PLAN.md)", "",
+             "The second study's statistics, fixed in docs/study/PLAN.md before its runs (the verdict "
+             "above is the first study's rule). Steps to the threshold "
+             f"{threshold:.3f}: the first evaluation at or above it; a run that never reaches it "
+             f"counts as its last step + {eval_every} ({160 + eval_every} for 160 steps), a lower bound that "
+             "favours it. For a config X against a baseline Y, over the seeds both ran: the "
+             "difference d_s = X_s - Y_s (steps; final sampled accuracy) and the ratio "
+             "r_s = steps X_s / steps Y_s; mean [95% percentile bootstrap interval: 10,000 resamples "
+             "of the seeds with replacement, random.Random(0); the sorted resampled means at indices "
+             "250 and 9749].", "",
+             "| config | vs | seeds paired | never reached (config / baseline) | steps: mean difference "
+             "[95% CI] | steps: mean ratio [95% CI] | final sampled acc: mean difference [95% CI] |",
+             "|" + "---|" * 7]
+    for c in (c for c in stats if c not in BASELINES):
+        for b in BASELINES:
+            steps = paired(by_seed(stats[c], "censored_steps"), by_seed(stats[b], "censored_steps"))
+            never = paired(by_seed(stats[c], "reach_steps"), by_seed(stats[b], "reach_steps"))
+            acc = paired(by_seed(stats[c], "sampled"), by_seed(stats[b], "sampled"))
+            lines.append(f"| {c} | {b} | {len(steps)} | {sum(x is None for x, _ in never)} / "
+                         f"{sum(y is None for _, y in never)} | {_fmt_ci(differences(steps), '+.1f')} | "
+                         f"{_fmt_ci(ratios(steps), '.3f')} | {_fmt_ci(differences(acc), '+.3f')} |")
+    seeds = sorted({s for st in stats.values() for s in st["seeds"]})
+    lines += ["", "Per seed: steps to the threshold (* never reached, counted as above) / final "
+              "sampled accuracy:", "", "| seed | " + " | ".join(stats) + " |", "|" + "---|" * (len(stats) + 1)]
+    for seed in seeds:
+        cells = []
+        for st in stats.values():
+            if seed not in st["seeds"]:
+                cells.append("-")
+                continue
+            i = st["seeds"].index(seed)
+            star = "*" if st["reach_steps"][i] is None else ""
+            cells.append(f"{st['censored_steps'][i]}{star} / {st['sampled'][i]:.3f}")
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    if all(c in stats for c in CANDIDATES):
+        name, why = pick_default(stats)
+        lines += ["", f"**New default by PLAN.md's rule** (seeds {', '.join(map(str, seeds))}): "
+                  + (f"`{name}`. " if name else "") + why[0].upper() + why[1:] + "."]
+    tepos = [c for c in stats if CONFIGS[c][0] == "tepo"]
+    if len(tepos) == 1:
+        c, each, parts = tepos[0], [], []
+        for b in BASELINES:
+            r = ratios(paired(by_seed(stats[c], "censored_steps"), by_seed(stats[b], "censored_steps")))
+            if not r:
+                parts.append(f"against {b.upper()} no verdict (no ratio: a {b} run was at the "
+                             f"threshold at step 0)")
+                each.append("inconclusive")
+                continue
+            each.append(claim_verdict(*bootstrap_ci(r)))
+            parts.append(f"against {b.upper()} **{each[-1]}** (ratio {_fmt_ci(r, '.3f')})")
+        lines += ["", f"**Verdict on \"50% faster\" by PLAN.md's rule** (`{c}`, seeds "
+                  f"{', '.join(map(str, sorted(stats[c]['seeds'])))}): " + "; ".join(parts)
+                  + f". The claim: **{combine_claim(each)}**. Against one baseline, from the 95% "
+                  "interval [lo, hi] of the mean paired ratio of steps: confirmed if hi < 1 and "
+                  "lo <= 0.5, refuted if lo > 0.5, inconclusive otherwise; the claim is confirmed "
+                  "if confirmed against both GRPO and DAPO, refuted if refuted against either. A "
+                  "verdict about this reading on this task and this model, not the paper's setting."]
+    return lines
+
+
+# =====================================================================================
 # Outputs: CSVs, summary.md, curves.png
 # =====================================================================================
-STEP_COLUMNS = ("reward", "accuracy", "entropy", "mask_frac", "completion_len")
+STEP_COLUMNS = ("reward", "accuracy", "entropy", "mask_frac", "completion_len", "truncated_frac", "clip_frac", "kl",
+                "masked_kl", "kl_pos_adv", "kl_neg_adv", "kl_off_mask", "kl_first_quarter", "kl_last_quarter",
+                "kl_token_max")  # the KL columns: where the KL sits (TEPO), for PLAN.md's diagnosis
 
 
 def _cell(v) -> str:
@@ -603,10 +893,12 @@ def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
         lines += ["Held-out sampled accuracy before training (step 0, the same model for every "
                   f"config): {_fmt_ms([a for s in stats.values() for a in s['start']])}.", ""]
     if threshold is not None:
-        lines += [f"**Threshold**: {threshold:.3f} held-out sampled accuracy = --threshold-frac "
-                  f"{args.threshold_frac} x GRPO's final mean sampled accuracy. Steps and seconds "
-                  f"to the threshold are those of the first evaluation at or above it; their mean "
-                  f"is over the runs that reached it (count shown); ratios divide those means by "
+        source = (f"fixed by --threshold {args.threshold!r}" if args.threshold is not None else
+                  f"= --threshold-frac {args.threshold_frac} x GRPO's final mean sampled accuracy "
+                  f"(to fix it for other seeds, as PLAN.md does: `--threshold {threshold!r}`)")
+        lines += [f"**Threshold**: {threshold:.3f} held-out sampled accuracy {source}. Steps and "
+                  f"seconds to the threshold are those of the first evaluation at or above it; their "
+                  f"mean is over the runs that reached it (count shown); ratios divide those means by "
                   f"GRPO's and DAPO's.", ""]
     else:
         lines += ["**No threshold**: there are no finished `grpo` runs.", ""]
@@ -642,7 +934,8 @@ def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
               "just after the first evaluation): they include every later held-out evaluation, "
               "equally for all configs, but not start-up; a stop and resume is charged as one "
               "ordinary step. With --jobs > 1 runs shared the CPU. Threshold steps can only be "
-              f"multiples of --eval-every ({args.eval_every}) or the last step.", ""]
+              f"multiples of --eval-every ({args.eval_every}) or the last step."]
+    lines += paired_section(stats, threshold, args.eval_every) + [""]
     (out / "summary.md").write_text("\n".join(lines))
     return v
 
@@ -724,8 +1017,8 @@ def study(args: Args) -> int:
     if not (out / "runs").is_dir():
         raise UserError(f"no runs in {out}: run the study first (without --no-run)")
     runs, unfinished = load_runs(out, configs, seeds)
-    threshold = threshold_of(runs, args.threshold_frac)
-    stats = aggregate(runs, configs, threshold)
+    threshold = args.threshold if args.threshold is not None else threshold_of(runs, args.threshold_frac)
+    stats = aggregate(runs, configs, threshold, args.eval_every)
     write_csvs(out, runs)
     v = write_summary(out, args, stats, threshold, unfinished, configs)
     plotted = plot_curves(out, runs, configs, threshold)
