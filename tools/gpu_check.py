@@ -55,6 +55,10 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def missing_packages() -> list[str]:
     return [pip for mod, pip in NEEDED.items() if importlib.util.find_spec(mod) is None]
 
@@ -96,10 +100,11 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
                       "--group-size", "1" if name == "sapo" else "4", "--max-new-tokens", "16" if a.small else "40",
                       "--eval-dataset", "none", "--tensorboard", "false", "--output-dir", str(out), "--run-name", name])
         rows = [r for r in harness.read_metrics(out / name) if "time/step" in r]
-        kl = rows[-1].get("kl", rows[-1].get("value_loss"))
-        finite = all(v is not None for r in rows for v in r.values())
-        say(f"| {name} | {rows[0]['time/step']:.2f} | {rows[1]['time/step']:.2f} | {rows[1]['time/generate']:.2f} | "
-            f"{rows[1]['time/update']:.2f} | {kl:.3g} | {'yes' if finite else 'NO'} |")
+        kl = rows[-1].get("kl", rows[-1].get("value_loss"))  # DAPO has neither: "-"
+        finite = all(v is not None for r in rows for k, v in r.items() if k in ("loss", "kl", "value_loss"))
+        say(f"| {name} | {fmt(rows[0]['time/step'])} | {fmt(rows[1]['time/step'])} | "
+            f"{fmt(rows[1]['time/generate'])} | {fmt(rows[1]['time/update'])} | {fmt(kl, '.3g')} | "
+            f"{'yes' if finite else 'NO'} |")
     import grpo
     say("\nThe reference against the policy before any update, bf16 autocast (the same completions):")
     for lora in (0, 8):
@@ -230,6 +235,8 @@ def check(a: Args) -> None:
     missing = missing_packages()
     say("# GPU check (tools/gpu_check.py)\n")
     import transformers
+    transformers.logging.set_verbosity_error()  # the check's tables, without load reports and bars
+    transformers.utils.logging.disable_progress_bar()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     say(f"device {device} ({gpu}), torch {torch.__version__}, transformers {transformers.__version__}, "
         f"python {sys.version.split()[0]}\n")
