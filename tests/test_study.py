@@ -632,3 +632,22 @@ def test_fixed_threshold_from_disk(tmp_path):
 
 def test_doctests():
     assert doctest.testmod(study).failed == 0
+
+
+def test_kl_diagnosis_figure_only_for_tepo_configs_that_logged_it(tmp_path):
+    kl = {"kl_pos_adv": 0.1, "kl_neg_adv": 0.2, "masked_kl": 0.3, "kl_off_mask": 0.05,
+          "kl_first_quarter": 0.01, "kl_last_quarter": 0.4, "truncated_frac": 0.5}
+    runs = {("grpo", 1): _rows(40), ("tepo", 1): [{**r, **kl} for r in _rows(40)],
+            ("tepo", 2): [{**r, **kl} for r in _rows(50)]}
+    assert study.plot_kl_diagnosis(tmp_path, {("grpo", 1): _rows(40)}, ["grpo"]) is False
+    assert not (tmp_path / "kl_diagnosis.png").exists()
+    assert study.plot_kl_diagnosis(tmp_path, runs, ["grpo", "tepo"]) is True
+    assert (tmp_path / "kl_diagnosis.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_intervals_figure_needs_both_baselines(tmp_path):
+    stats = {**BASE, "tepo": _st([90, 90, 90], 0.5), "tepo-token-ratio": _st([50, 60, 70], 0.7)}
+    assert study.plot_intervals(tmp_path, {"grpo": BASE["grpo"], "tepo": stats["tepo"]}) is False
+    assert not (tmp_path / "intervals.png").exists()
+    assert study.plot_intervals(tmp_path, stats) is True
+    assert (tmp_path / "intervals.png").read_bytes()[:4] == b"\x89PNG"

@@ -50,6 +50,10 @@ Outputs, in runs/study/ (--out):
                              outside TEPO)
     curves.png               held-out accuracy against step and against seconds, entropy and
                              TEPO's mask_frac against step (mean over seeds, min-max band)
+    intervals.png            every other config against GRPO and DAPO, paired by seed: mean
+                             ratio of steps and difference in final accuracy, 95% intervals
+    kl_diagnosis.png         for each TEPO config, where its KL to the reference sits: by the
+                             advantage's sign, on and off the mask, by position; and truncation
     summary.md               final accuracy, steps and seconds to a threshold, ratios to GRPO and
                              DAPO, and the verdict on the claim, with the rule that produced it;
                              with both baselines and a PLAN.md candidate, the plan's statistics
@@ -997,6 +1001,91 @@ def plot_curves(out: Path, runs: dict, configs: list[str], threshold: float | No
     return True
 
 
+def plot_intervals(out: Path, stats: dict) -> bool:
+    """intervals.png: for every config but the baselines, paired by seed against GRPO and DAPO,
+    the mean ratio of steps to the threshold (left; lines at 1 and at the claimed 0.5) and the
+    mean difference in final sampled accuracy (right; line at 0), each with its 95% bootstrap
+    interval (PLAN.md). Nothing without both baselines."""
+    others = [c for c in stats if c not in BASELINES]
+    if not others or any(b not in stats for b in BASELINES):
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(others)))
+    for ax, (key, pair, title, refs) in zip(axes, [
+            ("censored_steps", ratios, "steps to the threshold: ratio to the baseline", (1.0, 0.5)),
+            ("sampled", differences, "final sampled accuracy: difference to the baseline", (0.0,))]):
+        for j, b in enumerate(BASELINES):
+            ys, xs, los, his = [], [], [], []
+            for i, c in enumerate(others):
+                v = pair(paired(by_seed(stats[c], key), by_seed(stats[b], key)))
+                if v:
+                    lo, hi = bootstrap_ci(v)
+                    ys.append(i + (0.15 if j else -0.15))
+                    xs.append(_mean(v))
+                    los.append(_mean(v) - lo)
+                    his.append(hi - _mean(v))
+            ax.errorbar(xs, ys, xerr=[los, his], fmt="o", capsize=3, label=f"vs {b}")
+        for r in refs:
+            ax.axvline(r, color="k", ls=":" if r == 0.5 else "-", lw=0.8)
+        ax.set_yticks(range(len(others)), others, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+        ax.legend(fontsize=7)
+    fig.suptitle("paired by seed: mean and 95% bootstrap interval", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "intervals.png", dpi=90)
+    plt.close(fig)
+    return True
+
+
+KL_PANELS = [(("kl_pos_adv", "kl_neg_adv"), "KL on completions with A > 0 / A < 0"),
+             (("masked_kl", "kl_off_mask"), "KL on the mask / off it"),
+             (("kl_first_quarter", "kl_last_quarter"), "KL in the first / last quarter"),
+             (("truncated_frac",), "completions cut off at the cap")]
+
+
+def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
+    """kl_diagnosis.png: for each TEPO config that logged where its KL sits (tepo.py's kl_*
+    metrics), one row: the KL split by the advantage's sign, by the mask, by position, and the
+    share of completions that stop ending; mean over seeds, min-max band, against the step."""
+    tepos = [c for c in configs if any(c == k and "kl_pos_adv" in rows[-1] for (k, _), rows in runs.items())]
+    if not tepos:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(len(tepos), len(KL_PANELS), figsize=(4.2 * len(KL_PANELS), 2.9 * len(tepos)),
+                             squeeze=False)
+    for row, config in zip(axes, tepos):
+        for ax, (keys, title) in zip(row, KL_PANELS):
+            for key, ls in zip(keys, ("-", "--")):
+                c = curve(runs, config, key)
+                if c is not None:
+                    ax.plot(c[0], c[1], ls=ls, label=key)
+                    ax.fill_between(c[0], c[2], c[3], alpha=0.15)
+            ax.set_title(f"{config}: {title}", fontsize=9)
+            ax.set_xlabel("training step", fontsize=8)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    fig.suptitle("where TEPO's KL to the reference sits (mean over seeds, band = min to max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "kl_diagnosis.png", dpi=80)
+    plt.close(fig)
+    return True
+
+
 # =====================================================================================
 # Main
 # =====================================================================================
@@ -1022,8 +1111,10 @@ def study(args: Args) -> int:
     write_csvs(out, runs)
     v = write_summary(out, args, stats, threshold, unfinished, configs)
     plotted = plot_curves(out, runs, configs, threshold)
-    print(f"wrote {out / 'summary.md'}, results.csv, steps.csv"
-          + (", curves.png" if plotted else ""))
+    diagnosed = plot_kl_diagnosis(out, runs, configs)
+    drawn = plot_intervals(out, stats)
+    print(f"wrote {out / 'summary.md'}, results.csv, steps.csv" + (", curves.png" if plotted else "")
+          + (", kl_diagnosis.png" if diagnosed else "") + (", intervals.png" if drawn else ""))
     print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): {v or 'no verdict'}")
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})",
