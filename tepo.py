@@ -24,7 +24,11 @@ How this script turns that into formulas is OUR READING, not the paper's text:
   carried to every token without changing its value, so each token's gradient is weighted by
   the sequence ratio rather than its own:  log s_it = sg(log s_i) + logp_it - sg(logp_it).
 - Policy term, token-mean over the whole mini-batch (the "token-level aggregation"):
-      l_pg = -min(s_it * A_i, clip(s_it, 1 - eps_low, 1 + eps_high) * A_i),  clip 0.2 / 0.28 (our reading)
+      l_pg = -min(s_it * A_i, clip(s_it, 1 - eps_low, 1 + eps_high) * A_i),  clip 3e-4 / 4e-4 (our reading)
+  The clip is GSPO's range for the same length-normalised ratio (Zheng et al. 2025, arXiv
+  2507.18071, Sec. 5.1): a geometric mean moves orders of magnitude less than a token ratio, and
+  under PPO's 0.2 / 0.28 the clip never bound (docs/study/README.md). Chosen by the rule of
+  docs/study/PLAN.md on development seeds; TEPO's own range is not known to us.
 - KL mask M_it = [A_i > 0] * D_it * m_it, "entropy decreasing" D_it by --entropy-test:
   predicted (default, our reading of Lemma 3.2): a policy-gradient step on A log p_k moves the
   logits by dz ~ A (onehot_k - p); with dH/dz_j = -p_j (log p_j + H) that changes the entropy by
@@ -91,8 +95,10 @@ class Args:
     top_p: float = arg(1.0, "nucleus sampling; keep 1.0 so log-probs describe the sampling distribution")
     gen_batch_size: int | None = arg(None, "completions per generate() call (default: all at once)")
     # --- objective ---
-    clip_low: float = arg(0.2, "eps_low: the ratio is clipped below at 1 - eps_low (our reading)")  # TEPO
-    clip_high: float = arg(0.28, "eps_high: the ratio is clipped above at 1 + eps_high (our reading)")  # TEPO
+    clip_low: float = arg(3e-4, "eps_low: the ratio is clipped below at 1 - eps_low (our reading: GSPO's "
+                          "range for a sequence ratio; with --ratio-level token pass 0.2)")  # TEPO
+    clip_high: float = arg(4e-4, "eps_high: the ratio is clipped above at 1 + eps_high (our reading: GSPO's "
+                           "range; with --ratio-level token pass 0.28)")  # TEPO
     ratio_level: str = arg("sequence", "sequence: the geometric-mean ratio carried to every token (our "
                            "reading of TEPO); token: per-token ratios", choices=["sequence", "token"])  # TEPO
     entropy_test: str = arg("predicted", "KL mask's 'entropy decreasing': predicted from the sign of c "
@@ -561,7 +567,7 @@ def kl_mask(advantages, entropy_falls, mask) -> torch.Tensor:
 
 
 def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
-              clip_low=0.2, clip_high=0.28, kl_coef=0.04, ratio_level="sequence"):
+              clip_low=3e-4, clip_high=4e-4, kl_coef=0.04, ratio_level="sequence"):
     """TEPO loss (our reading), aggregated token-mean. Copy it with k3_kl, token_mean,
     carried_log_ratio (and kl_mask, entropy_change_c to build M); it needs nothing but torch.
 
@@ -575,7 +581,9 @@ def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
 
     >>> logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.0]])  # log-ratios 0.2, 0
     >>> A, m, M = torch.tensor([1.0]), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool)
-    >>> round(tepo_loss(logp, old, old, A, m, M, num_tokens=2).item(), 4)  # s = exp(0.1) on both
+    >>> round(tepo_loss(logp, old, old, A, m, M, num_tokens=2).item(), 4)  # s = exp(0.1), clipped at 1 + 4e-4
+    -1.0004
+    >>> round(tepo_loss(logp, old, old, A, m, M, num_tokens=2, clip_high=0.28).item(), 4)  # inside PPO's range
     -1.1052
     """
     A = advantages[:, None]  # [B, 1]
@@ -586,7 +594,7 @@ def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
 
 
 @torch.no_grad()
-def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=0.2, clip_high=0.28,
+def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3e-4, clip_high=4e-4,
                ratio_level="sequence") -> dict:
     """What to watch: the share of tokens the mask selects, their entropy against the others',
     the KL on them, the spread of sequence ratios, and the share of active clips; and where the KL

@@ -27,7 +27,7 @@ What maps to what (tepo.py / erpo.py flag -> TRL GRPOConfig field):
   --micro-batch-size                 per_device_train_batch_size
   --ppo-epochs                       num_iterations
   --max-new-tokens                   max_completion_length
-  TEPO --clip-low / --clip-high      epsilon / epsilon_high (defaults 0.2 / 0.28 here)
+  TEPO --clip-low / --clip-high      epsilon / epsilon_high (defaults 3e-4 / 4e-4 here)
   ERPO --eps, --beta                 epsilon (epsilon_high must stay unset), beta (0.04 here)
   --lr, --warmup-steps               learning_rate, warmup_steps
   the advantage A_i                  TRL's: (r - group mean) / (group std + 1e-4), std with Bessel's
@@ -113,9 +113,12 @@ class TEPOConfig(GRPOConfig):
     """GRPOConfig plus TEPO's flags (tepo.py's, same names and defaults). TRL's beta is not TEPO's
     KL coefficient: it is set from kl_coef / kl_target and only tells TRL to load the reference."""
 
-    epsilon_high: float | None = field(default=0.28, metadata={
-        "help": "TEPO --clip-high: the ratio is clipped above at 1 + epsilon_high (our reading); "
-                "epsilon is --clip-low"})
+    epsilon: float = field(default=3e-4, metadata={
+        "help": "TEPO --clip-low: the ratio is clipped below at 1 - epsilon (our reading: GSPO's range "
+                "for a sequence ratio; with ratio_level token pass 0.2)"})
+    epsilon_high: float | None = field(default=4e-4, metadata={
+        "help": "TEPO --clip-high: the ratio is clipped above at 1 + epsilon_high (our reading: GSPO's "
+                "range; with ratio_level token pass 0.28)"})
     disable_dropout: bool = field(default=True, metadata={
         "help": "no dropout: the ratio must be exactly 1 before the first update"})
     vllm_importance_sampling_correction: bool = field(default=False, metadata={

@@ -32,6 +32,11 @@ from integrations import trl_trainers as tt  # noqa: E402
 TEMPERATURE = 0.7  # not 1, so that a missing division by the temperature shows
 
 
+# The loss-path tests run at PPO's range, where their random ratios (noise 0.2) are mostly unclipped
+# and every gradient is checked; the default range (3e-4 / 4e-4) has its own config test.
+PPO_CLIP = dict(epsilon=0.2, epsilon_high=0.28)
+
+
 def _config(cls, tmp, **kw):
     base = dict(output_dir=str(tmp), per_device_train_batch_size=4, num_generations=4,
                 max_completion_length=16, temperature=TEMPERATURE, bf16=False, use_cpu=True,
@@ -74,7 +79,7 @@ def _trainer(trainer_cls, cfg, tok, prompts):
 def tepo_trainer(tok, prompts, tmp_path_factory):
     """float64 policy and reference; 2 micro-batches per optimizer step, 2 steps per generation."""
     cfg = _config(tt.TEPOConfig, tmp_path_factory.mktemp("tepo"), gradient_accumulation_steps=2,
-                  steps_per_generation=4)
+                  steps_per_generation=4, **PPO_CLIP)
     trainer = _trainer(tt.TEPOTrainer, cfg, tok, prompts)
     trainer.model.train()
     return trainer
@@ -236,7 +241,7 @@ def test_micro_batches_of_one_optimizer_step_add_up_to_the_unsplit_token_mean(te
     want = tepo.tepo_loss(whole, inputs["old_per_token_logps"], inputs["ref_per_token_logps"],
                           inputs["advantages"], inputs["completion_mask"],
                           (inputs["advantages"][:, None] > 0) & (inputs[tt.ENTROPY_CHANGE] > 0)
-                          & inputs["completion_mask"].bool(), N)
+                          & inputs["completion_mask"].bool(), N, 0.2, 0.28)
     want.backward()
     total, grads = 0.0, []
     for rows in (slice(0, 1), slice(1, 4)):  # unequal micro-batches, one window
@@ -315,7 +320,7 @@ def test_tepo_loss_through_the_model_matches_tepo_py(tepo_trainer, tok):
     M = (A[:, None] > 0) & (c > 0) & mask.bool()
     assert 0 < M.sum() < mask.sum()
     want = tepo.tepo_loss(logp.double(), inputs["old_per_token_logps"],
-                          inputs["ref_per_token_logps"], A, mask, M, 30.0)
+                          inputs["ref_per_token_logps"], A, mask, M, 30.0, 0.2, 0.28)
     want.backward()
     assert abs(loss.item() - want.item()) < 1e-6
     # both paths compute log-probs in float32 internally: agreement ~5e-7 of the largest gradient
@@ -328,7 +333,7 @@ def test_tepo_loss_through_the_model_matches_tepo_py(tepo_trainer, tok):
 # ================================================================ configs
 def test_configs_map_tepo_and_erpo_flags_and_refuse_what_they_would_ignore(tmp_path):
     cfg = _config(tt.TEPOConfig, tmp_path)
-    assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (0.2, 0.28, 0.04, 0.04)
+    assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (3e-4, 4e-4, 0.04, 0.04)  # tepo.py's
     assert (cfg.ratio_level, cfg.entropy_test, cfg.kl_target, cfg.entropy_tol) == \
         ("sequence", "predicted", "ref", 1e-3)
     assert cfg.disable_dropout and not cfg.vllm_importance_sampling_correction
@@ -502,7 +507,7 @@ def _two_process_check():
     tok = _tok()
     prompts = _prompts(tok)
     kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4)
-    tr = _trainer(tt.TEPOTrainer, _config(tt.TEPOConfig, "/tmp/tepo-2p", **kw), tok, prompts)
+    tr = _trainer(tt.TEPOTrainer, _config(tt.TEPOConfig, "/tmp/tepo-2p", **kw, **PPO_CLIP), tok, prompts)
     acc = tr.accelerator
     P, rank = acc.num_processes, acc.process_index
     assert P == 2, P
@@ -535,7 +540,7 @@ def _two_process_check():
     mask, A = cat("completion_mask"), cat("advantages")
     M = (A[:, None] > 0) & (cat(tt.ENTROPY_CHANGE) > 0) & mask.bool()
     want = tepo.tepo_loss(logp_all, cat("old_per_token_logps"), cat("ref_per_token_logps"), A,
-                          mask, M, mask.sum().item())
+                          mask, M, mask.sum().item(), 0.2, 0.28)
     want.backward()
     assert abs(mean_loss.item() - want.item()) < 1e-12, (mean_loss.item(), want.item())
     start = keys.index((rank, 0)) * 2

@@ -171,10 +171,14 @@ def test_configs_and_settings(tmp_path):
     assert default[-3:] == ["tepo-token-ratio", "tepo-no-kl", "tepo-mask-ref"]
     for name in ("erpo", "sapo"):
         assert (name in default) == study.script_available(name)
-    assert "tepo-seq-gspo" not in default  # PLAN.md's candidate (b): only by --configs
+    assert "tepo-seq-gspo" not in default and "tepo-seq-ppo" not in default  # candidates: only by --configs
     assert study.resolve_configs("grpo,tepo-seq-gspo") == ["grpo", "tepo-seq-gspo"]
+    # PLAN.md's candidates with their clips spelled out, whatever tepo.py's default is
+    assert study.CONFIGS["tepo-seq-ppo"] == ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"])
     assert study.CONFIGS["tepo-seq-gspo"] == ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"])
-    assert study.CANDIDATES == ("tepo", "tepo-seq-gspo", "tepo-token-ratio")
+    assert study.CONFIGS["tepo-token-ratio"] == ("tepo", ["--ratio-level", "token", "--clip-low", "0.2",
+                                                          "--clip-high", "0.28"])
+    assert study.CANDIDATES == ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
     assert study.resolve_seeds("3,1") == [3, 1]
     args = study.Args()
     study.check_same_settings(tmp_path, args, ["grpo"])
@@ -495,11 +499,11 @@ def test_candidate_scores_take_the_larger_ratio():
     # X: ratios to GRPO 0.2, 0.5 (mean 0.35), to DAPO 0.1, 1.0 (0.55): score 0.55, the larger.
     # Y: 0.7, 0.35 and 0.35, 0.7: score 0.525. By the larger Y is ahead; by the smaller (0.35 vs
     # 0.525) or the mean over both (0.45 vs 0.525), X would be.
-    stats = {"grpo": _st([100, 200]), "dapo": _st([200, 100]), "tepo": _st([20, 100]),
+    stats = {"grpo": _st([100, 200]), "dapo": _st([200, 100]), "tepo-seq-ppo": _st([20, 100]),
              "tepo-seq-gspo": _st([70, 70]), "tepo-token-ratio": _st([200, 200])}
     scores = study.candidate_scores(stats)
-    assert scores == pytest.approx({"tepo": 0.55, "tepo-seq-gspo": 0.525, "tepo-token-ratio": 1.5})
-    assert study.candidate_scores({"grpo": _st([100]), "tepo": _st([50])}) == {"tepo": None}
+    assert scores == pytest.approx({"tepo-seq-ppo": 0.55, "tepo-seq-gspo": 0.525, "tepo-token-ratio": 1.5})
+    assert study.candidate_scores({"grpo": _st([100]), "tepo-seq-ppo": _st([50])}) == {"tepo-seq-ppo": None}
 
 
 BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
@@ -508,11 +512,11 @@ BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
 def test_pick_default_lowest_score_when_the_interval_excludes_0():
     # scores: tepo 0.9, gspo 0.6, token 0.8; gspo - token = -30, -20, -10: CI [-30, -10], no 0.
     # token's accuracy is far higher, but the accuracy does not decide here.
-    stats = {**BASE, "tepo": _st([90, 90, 90], 0.5), "tepo-seq-gspo": _st([50, 60, 70], 0.5),
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.5), "tepo-seq-gspo": _st([50, 60, 70], 0.5),
              "tepo-token-ratio": _st([80, 80, 80], 0.7)}
     name, why = study.pick_default(stats)
     assert name == "tepo-seq-gspo", why
-    assert "tepo 0.900, tepo-seq-gspo 0.600, tepo-token-ratio 0.800" in why
+    assert "tepo-seq-ppo 0.900, tepo-seq-gspo 0.600, tepo-token-ratio 0.800" in why
     assert "-20.0 [95% CI -30.0, -10.0] excludes 0" in why
 
 
@@ -521,7 +525,7 @@ def test_pick_default_accuracy_decides_when_the_interval_contains_0():
     # mean is 0 only when all three draws are seed 1 (p 1/27 = 3.7% > 2.5%), so CI [-20, 0]
     # holds 0 at its end. Then token's accuracy, 0.05 higher, wins; tepo's, higher still, is not
     # one of the two best and does not count.
-    stats = {**BASE, "tepo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([80, 70, 60], 0.5),
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([80, 70, 60], 0.5),
              "tepo-token-ratio": _st([80, 80, 80], 0.55)}
     name, why = study.pick_default(stats)
     assert name == "tepo-token-ratio", why
@@ -531,17 +535,17 @@ def test_pick_default_accuracy_decides_when_the_interval_contains_0():
 def test_pick_default_tepo_stays_when_accuracies_are_within_0_01():
     # scores: gspo 0.6, token 0.617, tepo 0.9 (last); gspo - token = -5, -5, +5: CI [-5, 5].
     # Accuracies 0.60 and 0.61: within 0.01 (the end included), so (a) tepo stays, last or not.
-    stats = {**BASE, "tepo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([50, 60, 70], 0.6),
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([50, 60, 70], 0.6),
              "tepo-token-ratio": _st([55, 65, 65], 0.61)}
     name, why = study.pick_default(stats)
-    assert name == "tepo", why
-    assert "contains 0" in why and "(a) `tepo` stays" in why
+    assert name == "tepo-seq-ppo", why
+    assert "contains 0" in why and "(a) `tepo-seq-ppo` stays" in why
     stats["tepo-token-ratio"] = _st([55, 65, 65], 0.6101)  # just over 0.01: the higher wins
     assert study.pick_default(stats)[0] == "tepo-token-ratio"
 
 
 def test_pick_default_without_a_rule_to_apply():
-    stats = {**BASE, "tepo": _st([90, 90, 90]), "tepo-seq-gspo": _st([50, 60, 70])}
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90]), "tepo-seq-gspo": _st([50, 60, 70])}
     assert study.pick_default(stats) == (None, "no pick: no finished runs of tepo-token-ratio")
     stats["tepo-token-ratio"] = _st([80, 80, 80])
     stats["grpo"] = _st([0, 100, 100])  # at the threshold at step 0: no ratio
@@ -568,29 +572,30 @@ def test_summary_paired_section_development(tmp_path):
     # threshold 0.9 x 0.6 = 0.54. Censored steps: grpo 40, 60, 80; dapo 80, 120, 170 (never);
     # tepo 20, 30, 40; gspo 170 (never, final 0.2), 30, 40; token 20, 40, 40. With three seeds
     # each end of an interval has p 1/27 > 2.5%: the intervals are [min, max] of the per-seed values.
-    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], tepo=[20, 30, 40],
-                       **{"tepo-seq-gspo": [None, 30, 40], "tepo-token-ratio": [20, 40, 40]})
+    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None],
+                       **{"tepo-seq-ppo": [20, 30, 40], "tepo-seq-gspo": [None, 30, 40],
+                          "tepo-token-ratio": [20, 40, 40]})
     summary = _summary(tmp_path, runs)
-    assert "## Verdict" in summary and "| tepo | 3 | 160 |" in summary  # the first study's content
+    assert "## Verdict" in summary and "| tepo-seq-ppo | 3 | 160 |" in summary  # the first study's content
     assert "## Paired by seed (docs/study/PLAN.md)" in summary
     assert "`--threshold 0.54`" in summary or "`--threshold 0.5399999999999999`" in summary
     # tepo - grpo = -20, -30, -40; ratios 0.5 each; accuracies alike
-    assert "| tepo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | " \
+    assert "| tepo-seq-ppo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | " \
            "+0.000 [+0.000, +0.000] |" in summary
     # tepo - dapo = -60, -90, -130 (mean -93.3); ratios 0.25, 0.25, 40/170 = 0.235 (mean 0.245)
-    assert "| tepo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |" in summary
+    assert "| tepo-seq-ppo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |" in summary
     # gspo - grpo = 130, -30, -40 (mean 20); ratios 4.25, 0.5, 0.5 (mean 1.75); acc -0.4, 0, 0
     assert "| tepo-seq-gspo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | " \
            "-0.133 [-0.400, +0.000] |" in summary
-    assert "| seed | grpo | dapo | tepo | tepo-seq-gspo | tepo-token-ratio |" in summary
+    assert "| seed | grpo | dapo | tepo-seq-ppo | tepo-seq-gspo | tepo-token-ratio |" in summary
     assert "| 1 | 40 / 0.600 | 80 / 0.600 | 20 / 0.600 | 170* / 0.200 | 20 / 0.600 |" in summary
     assert "| 3 | 80 / 0.600 | 170* / 0.200 | 40 / 0.600 | 40 / 0.600 | 40 / 0.600 |" in summary
     # scores: tepo max(0.5, 0.245) = 0.5; gspo max(1.75, 0.870) = 1.75; token: to grpo 0.5, 0.667,
     # 0.5 (0.556), to dapo 0.272: 0.556. The two best: tepo and token, tepo - token = 0, -10, 0:
     # CI [-10, 0] holds 0; accuracies 0.6 and 0.6: tepo stays.
-    assert "**New default by PLAN.md's rule** (seeds 1, 2, 3): `tepo`. Scores" in summary
-    assert "tepo 0.500, tepo-seq-gspo 1.750, tepo-token-ratio 0.556" in summary
-    assert "(a) `tepo` stays" in summary
+    assert "**New default by PLAN.md's rule** (seeds 1, 2, 3): `tepo-seq-ppo`. Scores" in summary
+    assert "tepo-seq-ppo 0.500, tepo-seq-gspo 1.750, tepo-token-ratio 0.556" in summary
+    assert "(a) `tepo-seq-ppo` stays" in summary
     assert "Verdict on \"50% faster\" by PLAN.md's rule" not in summary  # three TEPO configs
 
 

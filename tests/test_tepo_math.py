@@ -22,14 +22,18 @@ def _M(A, entropy, base_entropy, mask):
     return tepo.kl_mask(A, entropy < base_entropy, mask)
 
 
+PPO_CLIP = dict(clip_low=0.2, clip_high=0.28)  # the hand values below are worked at PPO's range,
+# where ratios of e^0.1 stay inside; the default range (3e-4 / 4e-4) has its own test
+
+
 def _loss(logp, old, A, mask, M, kl_logp, N, **kw):
     # positional order of the API: logp, old_logp, kl_logp, advantages, mask, M, num_tokens
-    return tepo.tepo_loss(logp, old, kl_logp, A, mask, M, N, **kw)
+    return tepo.tepo_loss(logp, old, kl_logp, A, mask, M, N, **{**PPO_CLIP, **kw})
 
 
 def _stats(logp, old, A, mask, M, kl_logp, entropy, **kw):
     kw.pop("kl_coef", None)  # the loss's only argument that the statistics do not take
-    return tepo.tepo_stats(logp, old, kl_logp, A, mask, M, entropy, **kw)
+    return tepo.tepo_stats(logp, old, kl_logp, A, mask, M, entropy, **{**PPO_CLIP, **kw})
 
 
 # ====================================================================== 1. carried ratio
@@ -317,13 +321,20 @@ def test_full_tepo_loss_hand_value_2x3():
     assert torch.allclose(logp.grad, expected_grad, atol=1e-6)
 
 
-def test_defaults_are_sequence_level_clip_0_2_0_28_and_kl_0_04():
-    # the hand example above, called with defaults: only the KL term changes (0.04 instead of 0.1)
+def test_defaults_are_sequence_level_clip_3e_4_4e_4_and_kl_0_04():
+    # the hand example above, called with defaults (docs/study/PLAN.md's pick, GSPO's range): both
+    # rows' sequence ratios (e^0.1, e^0.3) are above 1 + 4e-4 with A > 0, so every token is clipped
     old, diff, mask, A, ent, base, d = _hand_2x3()
     M = _M(A, ent, base, mask)
-    loss = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0)
-    expected = (-6 * math.exp(0.1) - 2.56 + 0.04 * (2.5 - LN3)) / 5
+    loss = tepo.tepo_loss(old + diff, old, old + diff + d, A, mask, M, 5.0)
+    expected = (-3 * 2 * 1.0004 - 2 * 1 * 1.0004 + 0.04 * (2.5 - LN3)) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M, ent)["clip_frac"] == pytest.approx(1.0)
+    # a ratio inside [1 - 3e-4, 1 + 4e-4] is not clipped: log s = 3e-4 on both rows
+    near = torch.full_like(old, 3e-4)
+    assert tepo.tepo_stats(old + near, old, old + diff + d, A, mask, M, ent)["clip_frac"] == 0
+    args = tepo.resolve_args(tepo.Args())
+    assert (args.clip_low, args.clip_high, args.ratio_level, args.kl_coef) == (3e-4, 4e-4, "sequence", 0.04)
 
 
 def test_where_the_kl_sits_by_hand():

@@ -12,14 +12,15 @@ to first reach a fixed held-out accuracy (our reading).
 The second study (docs/study/PLAN.md, fixed before its runs) is two commands. Development, seeds
 1-5, all five configs; its summary picks the new default and prints the threshold to fix:
 
-    python tools/study.py --jobs 2 --configs grpo,dapo,tepo,tepo-seq-gspo,tepo-token-ratio
+    python tools/study.py --jobs 2 --configs grpo,dapo,tepo-seq-ppo,tepo-seq-gspo,tepo-token-ratio
         --seeds 1,2,3,4,5 --out runs/study2-dev
 
-Confirmation, seeds 6-10, the baselines and the chosen default only, at the development
-threshold; its summary gives the verdict on "50% faster" by the plan's rule:
+(It ran when tepo.py's default was still (a), under that config's old name `tepo`.) It picked
+`tepo-seq-gspo`, now tepo.py's default. Confirmation, seeds 6-10, the baselines and the chosen
+default only, at the development threshold; its summary gives the verdict by the plan's rule:
 
-    python tools/study.py --jobs 2 --configs grpo,dapo,<chosen> --seeds 6,7,8,9,10
-        --out runs/study2-confirm --threshold <fixed value>
+    python tools/study.py --jobs 2 --configs grpo,dapo,tepo-seq-gspo --seeds 6,7,8,9,10
+        --out runs/study2-confirm --threshold 0.470
 
 The full default study is 27 runs of 160 steps: 67 minutes at --jobs 2 on a quiet 2-core CPU
 (measured on 2026-12-01; its results are in docs/study/).
@@ -69,15 +70,19 @@ steps are exact whatever the machine does.
 
 Default configs (erpo and sapo only where their scripts exist):
     grpo, dapo                 the baselines
-    tepo                       TEPO as tepo.py runs it by default (predicted entropy test)
+    tepo                       TEPO as tepo.py runs it by default (predicted entropy test; since the
+                               second study, the sequence ratio clipped at 3e-4 / 4e-4; the first
+                               study, docs/study/summary.md, ran it and its ablations at 0.2 / 0.28)
     tepo-observed              --entropy-test observed: the mask tests the entropy's observed fall
     erpo, sapo                 the other objectives of this project, for reference
-    tepo-token-ratio           ablation: per-token ratios instead of the sequence ratio
+    tepo-token-ratio           ablation: per-token ratios instead of the sequence ratio, clipped
+                               at PPO's 0.2 / 0.28 (PLAN.md's candidate (c))
     tepo-no-kl                 ablation: --kl-coef 0, no masked KL term at all
     tepo-mask-ref              ablation: observed test against the reference model's entropy
-Not in the default list, only by --configs:
-    tepo-seq-gspo              PLAN.md's candidate (b): the sequence ratio clipped at GSPO's
-                               3e-4 / 4e-4 instead of PPO's 0.2 / 0.28
+Not in the default list, only by --configs (PLAN.md's candidates (a) and (b), their flags
+spelled out so that they run the same whatever tepo.py's default is):
+    tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28, the first reading
+    tepo-seq-gspo              (b): the sequence ratio clipped at GSPO's 3e-4 / 4e-4, the default now
 """
 
 from __future__ import annotations
@@ -140,15 +145,16 @@ CONFIGS = {
     "tepo-observed": ("tepo", ["--entropy-test", "observed"]),
     "erpo": ("erpo", []),
     "sapo": ("sapo", []),
-    "tepo-token-ratio": ("tepo", ["--ratio-level", "token"]),
+    "tepo-token-ratio": ("tepo", ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"]),  # (c)
     "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
+    "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
     "tepo-seq-gspo": ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"]),  # PLAN.md (b)
 }
-DEFAULT_CONFIGS = [c for c in CONFIGS if c != "tepo-seq-gspo"]  # the first study's configs
+DEFAULT_CONFIGS = [c for c in CONFIGS if c not in ("tepo-seq-ppo", "tepo-seq-gspo")]  # the first study's
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
 # PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence
-CANDIDATES = ("tepo", "tepo-seq-gspo", "tepo-token-ratio")
+CANDIDATES = ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
 ACC_TIE = 0.01  # PLAN.md: final sampled accuracies within this of each other do not decide
 CLAIMED = "tepo"  # the config the verdict is about: TEPO as tepo.py runs by default
 CLAIM_RATIO = 0.6  # "about half the time": at most 0.6x the baseline's steps (or seconds)
@@ -715,8 +721,8 @@ def candidate_scores(stats: dict) -> dict[str, float | None]:
     undefined or a baseline is missing.
 
     >>> st = lambda steps: {"seeds": [1, 2], "censored_steps": steps}
-    >>> candidate_scores({"grpo": st([100, 200]), "dapo": st([200, 100]), "tepo": st([20, 100])})
-    {'tepo': 0.55}
+    >>> candidate_scores({"grpo": st([100, 200]), "dapo": st([200, 100]), "tepo-seq-ppo": st([20, 100])})
+    {'tepo-seq-ppo': 0.55}
     """
     scores = {}
     for c in (c for c in CANDIDATES if c in stats):
@@ -735,7 +741,7 @@ def pick_default(stats: dict) -> tuple[str | None, str]:
     score wins (a tie goes to the earlier of CANDIDATES); 3. if the bootstrap interval of the two
     best candidates' paired difference in censored steps contains 0 (ends included), the one with
     the higher mean final sampled accuracy over the same seeds wins instead, and if those are
-    within ACC_TIE (0.01, included), (a) `tepo` stays: no change without evidence."""
+    within ACC_TIE (0.01, included), (a) `tepo-seq-ppo` stays: no change without evidence."""
     if missing := [c for c in (*CANDIDATES, *BASELINES) if c not in stats]:
         return None, f"no pick: no finished runs of {', '.join(missing)}"
     scores = candidate_scores(stats)
