@@ -612,6 +612,9 @@ def test_summary_paired_section_confirmation(tmp_path):
             "against GRPO **confirmed** (ratio 0.382 [0.353, 0.417]); against DAPO **refuted** "
             "(ratio 0.778 [0.750, 0.833]). The claim: **refuted**.") in summary
     assert "New default by PLAN.md's rule" not in summary  # one candidate only
+    # the first study's rule judges `tepo` only, and says where this study's verdict is
+    assert ("No verdict by this rule, which judges the config `tepo`; for `tepo-seq-gspo` see the "
+            "paired statistics below.") in summary
     # all faster than half of both: confirmed against each, and so the claim
     runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], **{"tepo-seq-gspo": [20, 20, 30]})
     assert "The claim: **confirmed**." in _summary(tmp_path, runs, threshold=0.54)
@@ -656,3 +659,28 @@ def test_intervals_figure_needs_both_baselines(tmp_path):
     assert not (tmp_path / "intervals.png").exists()
     assert study.plot_intervals(tmp_path, stats) is True
     assert (tmp_path / "intervals.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    from PIL import Image
+    runs = {(c, s): _rows(r) for c, r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-gspo", 50))
+            for s in (1, 2)}
+    drawn = []  # (panel title, labels of its lines), captured as the figure is saved
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *a, **kw):
+        drawn.extend((ax.get_title(), [ln.get_label() for ln in ax.lines]) for ax in fig.axes)
+        return real_savefig(fig, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    assert study.plot_curves(tmp_path, runs, ["grpo", "dapo", "tepo", "tepo-seq-gspo"], 0.5) is True
+    acc = {t: labels for t, labels in drawn if t.startswith("held-out sampled acc")}
+    assert acc["held-out sampled acc: baselines and other scripts"] == ["grpo", "dapo", "threshold 0.500"]
+    assert acc["held-out sampled acc: TEPO configs"] == ["grpo (reference)", "tepo", "tepo-seq-gspo",
+                                                         "threshold 0.500"]
+    png = tmp_path / "curves.png"
+    assert png.stat().st_size < 300_000
+    with Image.open(png) as im:
+        assert im.mode == "P"  # quantized to a palette by save_small

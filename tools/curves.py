@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
-from tools.study import curve  # noqa: E402
+from tools.study import curve, save_small  # noqa: E402
 
 PANELS = [("eval/greedy_acc", "held-out greedy accuracy"), ("eval/sampled_acc", "held-out sampled accuracy (T = 1)"),
           ("truncated_frac", "completions cut off at the cap (training batches)"),
@@ -72,7 +72,7 @@ def plot(runs: dict, out: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    save_small(fig, out)
     plt.close(fig)
 
 

@@ -49,7 +49,8 @@ Outputs, in runs/study/ (--out):
                              truncated_frac, clip_frac, kl, and TEPO's kl_* split of where the
                              KL sits (empty cell = not logged by that script, e.g. mask_frac
                              outside TEPO)
-    curves.png               held-out accuracy against step and against seconds, entropy and
+    curves.png               held-out sampled accuracy against step and against seconds, the
+                             baselines and the TEPO configs in separate panels; entropy and
                              TEPO's mask_frac against step (mean over seeds, min-max band)
     intervals.png            every other config against GRPO and DAPO, paired by seed: mean
                              ratio of steps and difference in final accuracy, 95% intervals
@@ -559,6 +560,9 @@ def combine(verdicts: list[str]) -> str:
 def verdict(stats: dict, threshold: float | None) -> tuple[str | None, str]:
     """(the verdict in steps, or None when there is nothing to judge; a paragraph)."""
     bases = [b for b in BASELINES if b in stats]
+    if CLAIMED not in stats and (others := [c for c in stats if CONFIGS[c][0] == "tepo"]):
+        return None, (f"No verdict by this rule, which judges the config `{CLAIMED}`; for "
+                      f"`{'`, `'.join(others)}` see the paired statistics below.")
     if threshold is None or CLAIMED not in stats or not bases:
         return None, ("No verdict: it needs finished runs of `grpo` (for the threshold), of "
                       "`tepo`, and of `grpo` or `dapo`.")
@@ -967,7 +971,24 @@ def curve(runs: dict, config: str, key: str, x: str = "step"):
     return xs, [sum(v) / len(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys]
 
 
+def save_small(fig, path: Path, dpi: int = 90) -> None:
+    """Save a figure as a PNG of at most a few hundred KB: 128 colours (octree; median cut was seen
+    to turn thin orange lines red) where Pillow, which matplotlib depends on, is there."""
+    fig.savefig(path, dpi=dpi)
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE)
+    small.save(path, optimize=True)
+
+
 def plot_curves(out: Path, runs: dict, configs: list[str], threshold: float | None) -> bool:
+    """curves.png: held-out sampled accuracy against step and against seconds, the baselines (and
+    the other non-TEPO scripts) in one panel and the TEPO configs in the next, with GRPO's mean
+    drawn thin and grey among the TEPO configs for reference; entropy and TEPO's KL-mask share
+    against step. Mean over seeds, min-max band."""
     try:
         import matplotlib
 
@@ -977,32 +998,35 @@ def plot_curves(out: Path, runs: dict, configs: list[str], threshold: float | No
         print("matplotlib is not installed: no curves.png (pip install matplotlib); "
               "results.csv and summary.md are written")
         return False
-    panels = [("eval/sampled_acc", "step", "held-out sampled acc"),
-              ("eval/greedy_acc", "step", "held-out greedy acc"),
-              ("entropy", "step", "entropy (sampling policy)"),
-              ("eval/sampled_acc", "seconds", "held-out sampled acc"),
-              ("eval/greedy_acc", "seconds", "held-out greedy acc"),
-              ("mask_frac", "step", "TEPO KL-mask fraction")]
-    fig, axes = plt.subplots(2, 3, figsize=(17, 9))
+    tepos = [c for c in configs if CONFIGS.get(c, (c,))[0] == "tepo"]
+    groups = [("baselines and other scripts", [c for c in configs if c not in tepos]), ("TEPO configs", tepos)]
+    panels = [("eval/sampled_acc", "step", g) for g in groups] + [("entropy", "step", ("", configs))]
+    panels += [("eval/sampled_acc", "seconds", g) for g in groups] + [("mask_frac", "step", ("", tepos))]
+    titles = {"eval/sampled_acc": "held-out sampled acc", "entropy": "entropy (sampling policy)",
+              "mask_frac": "TEPO KL-mask fraction"}
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, x, title) in zip(axes.flat, panels):
-        for i, config in enumerate(configs):
+    for ax, (key, x, (group, members)) in zip(axes.flat, panels):
+        if group == "TEPO configs" and "grpo" in configs and (c := curve(runs, "grpo", key, x)) is not None:
+            ax.plot(c[0], c[1], color="0.6", lw=1, ls="--", label="grpo (reference)")
+        for config in members:
             c = curve(runs, config, key, x)
             if c is None:
                 continue
+            i = configs.index(config)
             style = dict(color=colours[i % len(colours)], ls="-" if i < len(colours) else "--")
             ax.plot(c[0], c[1], label=config, **style)
             ax.fill_between(c[0], c[2], c[3], alpha=0.15, color=style["color"])
         if threshold is not None and key == "eval/sampled_acc":
             ax.axhline(threshold, color="k", ls=":", lw=1, label=f"threshold {threshold:.3f}")
-        ax.set_title(title)
+        ax.set_title(f"{titles[key]}: {group}" if group else titles[key], fontsize=10)
         ax.set_xlabel("training step" if x == "step" else "wall-clock seconds since step 0")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
     fig.suptitle("mean over seeds, band = min to max")
     fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=110)
+    save_small(fig, out / "curves.png")
     plt.close(fig)
     return True
 
@@ -1022,7 +1046,7 @@ def plot_intervals(out: Path, stats: dict) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 + 0.55 * len(others)))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 1.8 + 0.55 * len(others)))
     for ax, (key, pair, title, refs) in zip(axes, [
             ("censored_steps", ratios, "steps to the threshold: ratio to the baseline", (1.0, 0.5)),
             ("sampled", differences, "final sampled accuracy: difference to the baseline", (0.0,))]):
@@ -1046,7 +1070,7 @@ def plot_intervals(out: Path, stats: dict) -> bool:
         ax.legend(fontsize=7)
     fig.suptitle("paired by seed: mean and 95% bootstrap interval", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "intervals.png", dpi=90)
+    save_small(fig, out / "intervals.png")
     plt.close(fig)
     return True
 
@@ -1087,7 +1111,7 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
                 ax.legend(fontsize=7)
     fig.suptitle("where TEPO's KL to the reference sits (mean over seeds, band = min to max)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "kl_diagnosis.png", dpi=80)
+    save_small(fig, out / "kl_diagnosis.png", dpi=80)
     plt.close(fig)
     return True
 
