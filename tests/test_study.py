@@ -620,6 +620,24 @@ def test_summary_paired_section_confirmation(tmp_path):
     assert "The claim: **confirmed**." in _summary(tmp_path, runs, threshold=0.54)
 
 
+def test_console_prints_the_plans_verdict(tmp_path, capsys):
+    """The last console line gives PLAN.md's verdict when the study has one, not the first
+    study's "no verdict" (which judges the config `tepo` only)."""
+    out = tmp_path / "s"
+    # threshold 0.5 fixed; reached at gspo 30, 50, 60 / grpo 80, 120, 150 / dapo 40, 60, 80:
+    # ratios to DAPO 0.75, 0.833, 0.75, lo > 0.5: refuted against DAPO, and so the claim
+    for config, reaches in {"grpo": [80, 120, 150], "dapo": [40, 60, 80],
+                            "tepo-seq-gspo": [30, 50, 60]}.items():
+        for seed, reach in zip((1, 2, 3), reaches):
+            _write_run(out, f"{config}-s{seed}", reach)
+    assert study.main(["--configs", "grpo,dapo,tepo-seq-gspo", "--out", str(out), "--no-run",
+                       "--threshold", "0.5"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == ("verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): refuted "
+                    "(`tepo-seq-gspo`, docs/study/PLAN.md's rule)"), last
+    assert "No verdict by this rule" in (out / "summary.md").read_text()  # the first rule's paragraph
+
+
 def test_summary_without_the_paired_section(tmp_path):
     runs = _study_runs(grpo=[40, 60, 80], tepo=[20, 30, 40])  # no dapo
     assert "Paired by seed" not in _summary(tmp_path, runs)

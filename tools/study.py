@@ -783,12 +783,13 @@ def _fmt_ci(values: list[float] | None, fmt: str) -> str:
     return f"{_mean(values):{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
-def paired_section(stats: dict, threshold: float | None, eval_every: int) -> list[str]:
-    """summary.md's lines for PLAN.md's analysis; none unless the study has both baselines, a
-    candidate and a threshold."""
+def paired_section(stats: dict, threshold: float | None, eval_every: int) -> tuple[list[str], str | None]:
+    """(summary.md's lines for PLAN.md's analysis, PLAN.md's verdict on the claim or None): no
+    lines unless the study has both baselines, a candidate and a threshold; a verdict only when
+    one TEPO config ran."""
     if (threshold is None or any(b not in stats for b in BASELINES)
             or not any(c in stats for c in CANDIDATES)):
-        return []
+        return [], None
     lines = ["", "## Paired by seed (docs/study/PLAN.md)", "",
              "The second study's statistics, fixed in docs/study/PLAN.md before its runs (the verdict "
              "above is the first study's rule). Steps to the threshold "
@@ -827,7 +828,7 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> lis
         name, why = pick_default(stats)
         lines += ["", f"**New default by PLAN.md's rule** (seeds {', '.join(map(str, seeds))}): "
                   + (f"`{name}`. " if name else "") + why[0].upper() + why[1:] + "."]
-    tepos = [c for c in stats if CONFIGS[c][0] == "tepo"]
+    tepos, claim = [c for c in stats if CONFIGS[c][0] == "tepo"], None
     if len(tepos) == 1:
         c, each, parts = tepos[0], [], []
         for b in BASELINES:
@@ -839,6 +840,7 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> lis
                 continue
             each.append(claim_verdict(*bootstrap_ci(r)))
             parts.append(f"against {b.upper()} **{each[-1]}** (ratio {_fmt_ci(r, '.3f')})")
+        claim = f"{combine_claim(each)} (`{c}`, docs/study/PLAN.md's rule)"
         lines += ["", f"**Verdict on \"50% faster\" by PLAN.md's rule** (`{c}`, seeds "
                   f"{', '.join(map(str, sorted(stats[c]['seeds'])))}): " + "; ".join(parts)
                   + f". The claim: **{combine_claim(each)}**. Against one baseline, from the 95% "
@@ -846,7 +848,7 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> lis
                   "lo <= 0.5, refuted if lo > 0.5, inconclusive otherwise; the claim is confirmed "
                   "if confirmed against both GRPO and DAPO, refuted if refuted against either. A "
                   "verdict about this reading on this task and this model, not the paper's setting."]
-    return lines
+    return lines, claim
 
 
 # =====================================================================================
@@ -897,7 +899,8 @@ def _fmt_ratio(r: float | None) -> str:
 
 
 def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
-                  unfinished: list[str], configs: list[str]) -> str:
+                  unfinished: list[str], configs: list[str]) -> tuple[str | None, str | None]:
+    """Write summary.md; (the first study's verdict, PLAN.md's verdict), each None if it has none."""
     lines = ["# Study: GRPO, DAPO, TEPO and its variants on the bundled tiny task", "",
              f"Seeds {args.seeds}; held-out evaluation every {args.eval_every} steps on "
              f"{args.eval_n} problems; every other setting is each script's default"
@@ -949,9 +952,9 @@ def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
               "equally for all configs, but not start-up; a stop and resume is charged as one "
               "ordinary step. With --jobs > 1 runs shared the CPU. Threshold steps can only be "
               f"multiples of --eval-every ({args.eval_every}) or the last step."]
-    lines += paired_section(stats, threshold, args.eval_every) + [""]
-    (out / "summary.md").write_text("\n".join(lines))
-    return v
+    paired_lines, claim = paired_section(stats, threshold, args.eval_every)
+    (out / "summary.md").write_text("\n".join(lines + paired_lines + [""]))
+    return v, claim
 
 
 def curve(runs: dict, config: str, key: str, x: str = "step"):
@@ -1139,13 +1142,14 @@ def study(args: Args) -> int:
     threshold = args.threshold if args.threshold is not None else threshold_of(runs, args.threshold_frac)
     stats = aggregate(runs, configs, threshold, args.eval_every)
     write_csvs(out, runs)
-    v = write_summary(out, args, stats, threshold, unfinished, configs)
+    v, claim = write_summary(out, args, stats, threshold, unfinished, configs)
     plotted = plot_curves(out, runs, configs, threshold)
     diagnosed = plot_kl_diagnosis(out, runs, configs)
     drawn = plot_intervals(out, stats)
     print(f"wrote {out / 'summary.md'}, results.csv, steps.csv" + (", curves.png" if plotted else "")
           + (", kl_diagnosis.png" if diagnosed else "") + (", intervals.png" if drawn else ""))
-    print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): {v or 'no verdict'}")
+    # the second study's verdict when it has one (the first study's rule judges `tepo` only)
+    print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): {claim or v or 'no verdict'}")
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})",
               file=sys.stderr)
