@@ -555,14 +555,14 @@ def dapo_stats(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28) -
 # =====================================================================================
 @torch.no_grad()
 def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
-    """Held-out accuracy, greedy and sampled at the training temperature."""
+    """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
         cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
                                top_p=args.top_p if sample else None, top_k=0 if sample else None,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
-        correct, n = 0, args.gen_batch_size or 128
+        correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
@@ -573,7 +573,9 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
                            for t, p in zip(texts, chunk))
+            cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
+        out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
     return out
 
 
@@ -632,6 +634,7 @@ def train(args: Args) -> dict:
 
         # 2. The group-relative advantage A_i on the kept groups (one value per completion)
         advantages = group_advantages(batch["rewards"], G).to(device)  # [B]
+        run.observe("rollout", batch=batch, correct=batch["correct"], advantages=advantages)  # tools/diagnostics.py
         clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch); DAPO: no reference model
@@ -653,6 +656,7 @@ def train(args: Args) -> dict:
                                      args.clip_low, args.clip_high)
                     loss.backward()  # gradients add up over micro-batches to those of the mini-batch
                     loss_sum += loss.item()
+                    run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb])
                     stats.append(dapo_stats(logp, old_logp[mb], advantages[mb], batch["mask"][mb],
                                             args.clip_low, args.clip_high))
                 stats.append({"loss": loss_sum,

@@ -31,11 +31,16 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, first_line, resolve_device, seed_everything, warn
+from common import UserError, first_line, reduce_stats, resolve_device, seed_everything, warn
 
 # Callables (run, step, metrics) called after every step is logged and before it is saved;
 # tools/bench.py times the scripts' own steps through it. Empty in a normal run.
 STEP_HOOKS: list = []
+# Callables (run, where, tensors) -> dict | None, called by Run.observe from inside a step (after
+# the advantages: "rollout"; per micro-batch of the update: "update"); what they return is averaged
+# into that step's metrics. tools/diagnostics.py logs the studies' diagnostics through it; empty in
+# a normal run, where observe costs nothing.
+OBSERVERS: list = []
 # The flags a --resume may change, because they do not change what is learned.
 RESUMABLE = ("steps", "device", "save_every", "keep_checkpoints", "sample_every", "tensorboard", "resume")
 BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent", "completion_len": "len",
@@ -381,7 +386,7 @@ class Run:
             self._cut_metrics(self.state["step"])
         seed_everything(args.seed)
         self.logger = RunLogger(self.dir, args.tensorboard)
-        self.stop_signal, self.last_metrics, self._stalled = None, None, 0
+        self.stop_signal, self.last_metrics, self._stalled, self.observed = None, None, 0, []
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -442,8 +447,22 @@ class Run:
             _say(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
                  f"sampled acc {metrics['eval/sampled_acc']:.3f}")
 
+    def observe(self, where: str, **tensors) -> None:
+        """Hand a step's tensors to the OBSERVERS (none in a normal run), without gradients; their
+        figures join this step's metrics. Nothing here changes what is learned."""
+        if not OBSERVERS:
+            return
+        with torch.no_grad():
+            for hook in OBSERVERS:
+                figures = hook(self, where, tensors)
+                if figures:
+                    self.observed.append(figures)
+
     def end_step(self, step: int, metrics: dict) -> None:
         """Log the step, update the bar, warn if nothing can be learned, save when due or asked."""
+        if self.observed:  # the observers' figures, averaged over the step as the scripts' own stats
+            metrics = {**metrics, **reduce_stats(self.observed)}
+            self.observed = []
         self.log(step, metrics)
         self.last_metrics = metrics
         if self.bar is not None:

@@ -941,14 +941,14 @@ def explained_variance(values, returns, seg_mask) -> torch.Tensor:
 # =====================================================================================
 @torch.no_grad()
 def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
-    """Held-out accuracy, greedy and sampled at the training temperature."""
+    """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
         cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
                                top_p=args.top_p if sample else None, top_k=0 if sample else None,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
-        correct, n = 0, args.gen_batch_size or 128
+        correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
@@ -959,7 +959,9 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
                            for t, p in zip(texts, chunk))
+            cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
+        out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
     return out
 
 
@@ -1132,6 +1134,7 @@ def train(args: Args) -> dict:
         #    A_m on every token of segment m, whitened over the rollout batch and clamped
         seg = segment_batch(critic, batch, old_logp, old_entropy, ref_logp, rewards.to(device), args)
         seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]  # SAPO
+        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # for tools/diagnostics.py
         clock.lap("advantage")
 
         # 5. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step

@@ -39,7 +39,9 @@ How this script turns that into formulas is OUR READING, not the paper's text:
 - KL term: kl_coef * M_it * k3(ref_logp_it, logp_it), token-mean over the same denominator,
   kl_coef = 0.04 as GRPO's beta (our reading).
 - Flags for the uncertain parts, and only those: --entropy-test, --ratio-level {sequence,token},
-  --entropy-baseline {old,ref} (observed test), --kl-target {ref,old}, --kl-coef.
+  --entropy-baseline {old,ref} (observed test), --kl-target {ref,old}, --kl-coef, and
+  --loss-agg {token-mean,seq-mean-token-mean}: token-mean is our reading of the aggregation;
+  GRPO's per-completion mean is under study on a real model (docs/study/PLAN-real.md).
 Real-model preset, after the paper's setup where one GPU allows: G = 8, 8 optimizer updates
 per rollout batch, DAPO-Math-17k. Not kept: 64 prompts per batch (32 here), 8192-token
 completions (Qwen2.5-Math-1.5B's context is 4096), the 7B / 14B models.
@@ -111,6 +113,10 @@ class Args:
     kl_target: str = arg("ref", "the masked KL pulls towards ref (the starting model) or old (the "
                          "sampling policy)", choices=["ref", "old"])  # TEPO
     kl_coef: float = arg(0.04, "coefficient of the masked KL term (our reading: GRPO's beta)")  # TEPO
+    loss_agg: str = arg("token-mean", "how the per-token losses are averaged: token-mean over the mini-batch's "
+                        "tokens (our reading of TEPO's 'token-level aggregation'), or seq-mean-token-mean, "
+                        "GRPO's mean of per-completion means (an ablation)",
+                        choices=["token-mean", "seq-mean-token-mean"])  # TEPO
     # --- optimisation ---
     steps: int | None = arg(None, "rollout batches to train on")
     lr: float | None = arg(None, "AdamW learning rate")
@@ -532,6 +538,15 @@ def token_mean(l: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.
     return torch.where(mask.bool(), l, 0.0).sum() / num_tokens
 
 
+def seq_mean_token_mean(l: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """sum_i ( sum_t l_it m_it / sum_t m_it ) / num_seqs. num_seqs is the size of the whole
+    mini-batch, so summing this over its micro-batches gives the unsplit value. Padding is
+    selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
+    m = mask.bool()
+    per_seq = torch.where(m, l, 0.0).sum(1) / m.sum(1).clamp(min=1)
+    return per_seq.sum() / num_seqs
+
+
 def carried_log_ratio(logp, old_logp, mask, ratio_level: str = "sequence") -> torch.Tensor:
     """[B, T] log-ratio used on each token. 'token': logp - old_logp. 'sequence' (our reading):
     log s_i = mean over valid tokens of (logp - old_logp), carried as sg(log s_i) + logp - sg(logp),
@@ -567,9 +582,11 @@ def kl_mask(advantages, entropy_falls, mask) -> torch.Tensor:
 
 
 def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
-              clip_low=3e-4, clip_high=4e-4, kl_coef=0.04, ratio_level="sequence"):
-    """TEPO loss (our reading), aggregated token-mean. Copy it with k3_kl, token_mean,
-    carried_log_ratio (and kl_mask, entropy_change_c to build M); it needs nothing but torch.
+              clip_low=3e-4, clip_high=4e-4, kl_coef=0.04, ratio_level="sequence",
+              loss_agg="token-mean", num_seqs=None):
+    """TEPO loss (our reading), aggregated token-mean (or, with loss_agg="seq-mean-token-mean", as
+    GRPO). Copy it with k3_kl, token_mean, seq_mean_token_mean, carried_log_ratio (and kl_mask,
+    entropy_change_c to build M); it needs nothing but torch.
 
     logp       [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
     old_logp   [B, T]  the same under the policy that sampled the batch (no grad)
@@ -577,7 +594,8 @@ def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
     advantages [B]     one group-relative advantage per completion
     mask       [B, T]  1 on completion tokens through the first EOS
     M          [B, T]  bool, the KL mask (kl_mask)
-    num_tokens         valid tokens in the whole mini-batch (sum of its mask)
+    num_tokens         valid tokens in the whole mini-batch (sum of its mask), for token-mean
+    num_seqs           completions in the whole mini-batch (default B), for seq-mean-token-mean
 
     >>> logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.0]])  # log-ratios 0.2, 0
     >>> A, m, M = torch.tensor([1.0]), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool)
@@ -590,16 +608,18 @@ def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
     s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))  # [B, T]
     pg = -torch.min(s * A, torch.clamp(s, 1 - clip_low, 1 + clip_high) * A)
     kl = k3_kl(kl_logp, logp) if kl_coef > 0 else torch.zeros_like(logp)
-    return token_mean(pg + kl_coef * torch.where(M, kl, 0.0), mask, num_tokens)
+    l = pg + kl_coef * torch.where(M, kl, 0.0)  # [B, T]
+    if loss_agg == "seq-mean-token-mean":
+        return seq_mean_token_mean(l, mask, num_seqs or logp.shape[0])
+    return token_mean(l, mask, num_tokens)
 
 
 @torch.no_grad()
 def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3e-4, clip_high=4e-4,
                ratio_level="sequence") -> dict:
     """What to watch: the share of tokens the mask selects, their entropy against the others',
-    the KL on them, the spread of sequence ratios, and the share of active clips; and where the KL
-    to kl_logp sits: by the advantage's sign, off the mask, in the first and last quarter of each
-    completion, and its largest token."""
+    the KL on them and on all tokens, the spread of sequence ratios, and the share of active clips.
+    (Where the KL sits, by sign, position and mask, is tools/diagnostics.py's, for the studies.)"""
     A, m = advantages[:, None], mask.bool()
     s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))
     clipped = ((s > 1 + clip_high) & (A > 0)) | ((s < 1 - clip_low) & (A < 0))
@@ -611,15 +631,6 @@ def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3
              "other_entropy": torch.where(other, entropy, 0.0).sum() / other.sum().clamp(min=1),
              "seq_ratio_min": seq.min(), "seq_ratio_max": seq.max(), "clip_frac": (clipped & m).sum() / n,
              "masked_kl": torch.where(M, kl, 0.0).sum() / n_masked, "kl": torch.where(m, kl, 0.0).sum() / n}
-    position = m.cumsum(1) / m.sum(1, keepdim=True).clamp(min=1)  # [B, T] in (0, 1] on completion tokens
-
-    def mean_kl(where):  # mean KL over the valid tokens in `where`
-        where = where & m
-        return torch.where(where, kl, 0.0).sum() / where.sum().clamp(min=1)
-
-    stats.update(kl_pos_adv=mean_kl(A > 0), kl_neg_adv=mean_kl(A < 0), kl_off_mask=mean_kl(~M),
-                 kl_first_quarter=mean_kl(position <= 0.25), kl_last_quarter=mean_kl(position > 0.75),
-                 kl_token_max=torch.where(m, kl, 0.0).max() if m.any() else torch.zeros(()))
     return {k: v.item() for k, v in stats.items()}
 
 
@@ -628,14 +639,14 @@ def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3
 # =====================================================================================
 @torch.no_grad()
 def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
-    """Held-out accuracy, greedy and sampled at the training temperature."""
+    """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
         cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
                                top_p=args.top_p if sample else None, top_k=0 if sample else None,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
-        correct, n = 0, args.gen_batch_size or 128
+        correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
@@ -646,7 +657,9 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
                            for t, p in zip(texts, chunk))
+            cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
+        out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
     return out
 
 
@@ -699,6 +712,7 @@ def train(args: Args) -> dict:
         answers = [r["answer"] for r in rows for _ in range(G)]
         rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
         advantages = group_advantages(rewards, G).to(device)  # [B]
+        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # for tools/diagnostics.py
         clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad.
@@ -726,9 +740,11 @@ def train(args: Args) -> dict:
                     M = kl_mask(advantages[mb], falls, batch["mask"][mb])  # TEPO: the token-level KL mask
                     kl_mb = kl_logp[mb] if kl_logp is not None else None
                     loss = tepo_loss(logp, old_logp[mb], kl_mb, advantages[mb], batch["mask"][mb], M, num_tokens,
-                                     args.clip_low, args.clip_high, args.kl_coef, args.ratio_level)
+                                     args.clip_low, args.clip_high, args.kl_coef, args.ratio_level,
+                                     args.loss_agg, num_seqs=len(mini))
                     loss.backward()  # gradients add up over micro-batches to those of the mini-batch
                     loss_sum += loss.item()
+                    run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=kl_mb, M=M)
                     stats.append(tepo_stats(logp, old_logp[mb], kl_mb, advantages[mb], batch["mask"][mb], M,
                                             old_entropy[mb], args.clip_low, args.clip_high, args.ratio_level))
                 stats.append({"loss": loss_sum,

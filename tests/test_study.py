@@ -149,10 +149,11 @@ def test_make_jobs(tmp_path):
     jobs = study.make_jobs(args, ["grpo", "tepo-observed"], [1, 2], out)
     assert [j.name for j in jobs] == ["tepo-observed-s1", "grpo-s2", "tepo-observed-s2"]
     resume, fresh = jobs[0].cmd, jobs[2].cmd
-    assert resume[1:] == [str(ROOT / "tepo.py"), "--resume", str(runs / "tepo-observed-s1")]
+    diag = str(ROOT / "tools" / "diagnostics.py")  # every run goes through the diagnostics hook
+    assert resume[1:] == [diag, str(ROOT / "tepo.py"), "--resume", str(runs / "tepo-observed-s1")]
     assert jobs[0].append and not jobs[2].append
     assert (out / "logs" / "tepo-observed-s1.resumes").read_text() == "7\n"
-    assert fresh[1:] == [str(ROOT / "tepo.py"), "--seed", "2", "--output-dir", str(runs),
+    assert fresh[1:] == [diag, str(ROOT / "tepo.py"), "--seed", "2", "--output-dir", str(runs),
                          "--run-name", "tepo-observed-s2", "--eval-every", "10", "--eval-n", "128",
                          "--save-every", "100000", "--sample-every", "100000",
                          "--tensorboard", "false", "--entropy-test", "observed", "--lr", "1e-3"]
@@ -162,6 +163,15 @@ def test_make_jobs(tmp_path):
     args.steps = 200
     jobs = study.make_jobs(args, ["grpo"], [1], out)
     assert jobs[0].cmd[-2:] == ["--steps", "200"] and "--resume" in jobs[0].cmd  # continued
+    # --runs: exactly these pairs, in this order
+    pairs = study.resolve_runs("tepo-seq-mean:3,dapo:1")
+    jobs = study.make_jobs(study.Args(), [], [], tmp_path / "p", pairs)
+    assert [j.name for j in jobs] == ["tepo-seq-mean-s3", "dapo-s1"]
+    assert jobs[0].cmd[-2:] == ["--loss-agg", "seq-mean-token-mean"]
+    with pytest.raises(UserError, match="config:seed"):
+        study.resolve_runs("nope:1")
+    with pytest.raises(UserError, match="config:seed"):
+        study.resolve_runs("dapo")
 
 
 def test_configs_and_settings(tmp_path):

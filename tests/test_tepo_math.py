@@ -5,6 +5,7 @@ seconds) to pin the chunked entropy-change term c and the recomputation noise th
 entropy test's tolerance has to stay above."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -338,13 +339,18 @@ def test_defaults_are_sequence_level_clip_3e_4_4e_4_and_kl_0_04():
 
 
 def test_where_the_kl_sits_by_hand():
+    from tools import diagnostics  # the studies' diagnostics, through the run's observe hook
+
     # k3(ref, logp) with logp = 0 and ref = d: e^d - d - 1 per token; the padded token holds a huge d
     d = torch.tensor([[1.0, LN2, -LN2, LN3], [2.0, -1.0, 9.0, 9.0]])
     k = torch.exp(d) - d - 1  # [[e - 2, 1 - ln 2, 1/2 + ln 2 - 1, 2 - ln 3], [e^2 - 3, 1/e, ., .]]
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).float()
     A = torch.tensor([1.0, -1.0])
     M = torch.tensor([[True, False, True, False], [False, False, False, False]])
-    st = tepo.tepo_stats(torch.zeros(2, 4), torch.zeros(2, 4), d, A, mask, M, torch.ones(2, 4))
+    run = SimpleNamespace(algo="tepo", args=tepo.resolve_args(tepo.Args()))
+    batch = {"mask": mask, "truncated": torch.tensor([False, False])}
+    st = diagnostics.update_figures(run, {"batch": batch, "advantages": A}, torch.arange(2),
+                                    torch.zeros(2, 4), torch.zeros(2, 4), kl_logp=d, M=M)
     # row 0 is A > 0 (4 tokens), row 1 A < 0 (2 tokens); off the mask: (0,1), (0,3), (1,0), (1,1)
     assert st["kl_pos_adv"] == pytest.approx(k[0].mean().item(), abs=1e-6)
     assert st["kl_neg_adv"] == pytest.approx((k[1, 0] + k[1, 1]).item() / 2, abs=1e-6)
@@ -355,9 +361,69 @@ def test_where_the_kl_sits_by_hand():
     assert st["kl_token_max"] == pytest.approx(math.exp(2) - 3, abs=1e-5)  # not the padding's e^9 - 10
 
 
-# ====================================================================== 5. micro-batch invariance
+def test_seq_mean_token_mean_aggregation_hand_value_2x3():
+    # --loss-agg seq-mean-token-mean on the hand example: the same per-token losses, each
+    # completion's mean over its own tokens, then the mean over the 2 completions
+    old, diff, mask, A, ent, base, d = _hand_2x3()
+    M = _M(A, ent, base, mask)
+    loss = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0, kl_coef=0.1, loss_agg="seq-mean-token-mean")
+    row0 = (-6 * math.exp(0.1) + 0.1 * ((1 - LN2) + (LN2 - 0.5))) / 3  # 3 tokens, KL on (0,0), (0,2)
+    row1 = (-2.56 + 0.1 * (2 - LN3)) / 2  # 2 valid tokens, KL on (1,0)
+    assert loss.item() == pytest.approx((row0 + row1) / 2, abs=1e-6)
+    # num_seqs, the whole mini-batch's count, divides: a micro-batch of these 2 out of 4
+    half = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0, kl_coef=0.1,
+                 loss_agg="seq-mean-token-mean", num_seqs=4)
+    assert half.item() == pytest.approx((row0 + row1) / 4, abs=1e-6)
+
+
+def _random_batch(seed=0, B=8, T=7):
+    torch.manual_seed(seed)
+    logp0 = torch.randn(B, T)
+    old = logp0 + 0.3 * torch.randn(B, T)
+    A = torch.randn(B)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,))[:, None]).float()
+    M = _M(A, torch.rand(B, T), torch.rand(B, T), mask)
+    return logp0, old, A, mask, M, logp0 + 0.5 * torch.randn(B, T)
+
+
 @pytest.mark.parametrize("ratio_level", ["sequence", "token"])
-def test_micro_batch_invariance_of_value_and_gradients(ratio_level):
+def test_token_mean_default_is_the_loss_before_the_flag_bit_for_bit(ratio_level):
+    # the loss as it was written before --loss-agg existed, inline: token_mean(pg + kl_coef * M k3)
+    logp, old, A, mask, M, kl_logp = _random_batch(1)
+    N = float(mask.sum())
+    s = torch.exp(tepo.carried_log_ratio(logp, old, mask, ratio_level))
+    a = A[:, None]
+    pg = -torch.min(s * a, torch.clamp(s, 1 - 3e-4, 1 + 4e-4) * a)
+    before = tepo.token_mean(pg + 0.04 * torch.where(M, tepo.k3_kl(kl_logp, logp), 0.0), mask, N)
+    for kw in ({}, {"loss_agg": "token-mean"}, {"loss_agg": "token-mean", "num_seqs": 3}):
+        now = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, N, ratio_level=ratio_level, **kw)
+        assert torch.equal(now, before)
+    assert tepo.resolve_args(tepo.Args()).loss_agg == "token-mean"  # the default until PLAN-real.md says
+
+
+def test_seq_mean_token_mean_with_token_ratios_is_grpo_exactly():
+    # per-token ratios, GRPO's symmetric clip and a KL mask over every valid token: TEPO with
+    # --loss-agg seq-mean-token-mean is grpo_loss on the same inputs, value and gradient
+    import grpo
+    logp0, old, A, mask, _, ref = _random_batch(2)
+    M = mask.bool()
+    a, b = logp0.clone().requires_grad_(), logp0.clone().requires_grad_()
+    t = tepo.tepo_loss(a, old, ref, A, mask, M, float(mask.sum()), clip_low=0.2, clip_high=0.2,
+                       kl_coef=0.04, ratio_level="token", loss_agg="seq-mean-token-mean")
+    g = grpo.grpo_loss(b, old, ref, A, mask, 0.2, 0.04)
+    t.backward()
+    g.backward()
+    assert t.item() == pytest.approx(g.item(), abs=1e-7)
+    assert torch.allclose(a.grad, b.grad, atol=1e-8)
+    # and the aggregation itself is GRPO's function
+    l = torch.randn(8, 7)
+    assert torch.equal(tepo.seq_mean_token_mean(l, mask, 8), grpo.seq_mean_token_mean(l, mask, 8))
+
+
+# ====================================================================== 5. micro-batch invariance
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("ratio_level", ["sequence", "token"])
+def test_micro_batch_invariance_of_value_and_gradients(ratio_level, loss_agg):
     torch.manual_seed(0)
     B, T = 8, 7
     logp0 = torch.randn(B, T)
@@ -370,7 +436,7 @@ def test_micro_batch_invariance_of_value_and_gradients(ratio_level):
     N = float(mask.sum())  # counted once for the whole mini-batch
 
     full = logp0.clone().requires_grad_()
-    loss_full = _loss(full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level)
+    loss_full = _loss(full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level, loss_agg=loss_agg, num_seqs=B)
     loss_full.backward()
     assert M.any()  # the KL term is exercised
     for k in (2, 3, B):
@@ -378,7 +444,7 @@ def test_micro_batch_invariance_of_value_and_gradients(ratio_level):
         total = 0.0
         for idx in torch.arange(B).tensor_split(k):
             l = _loss(split[idx], old[idx], A[idx], mask[idx], M[idx], kl_logp[idx], N,
-                      ratio_level=ratio_level)
+                      ratio_level=ratio_level, loss_agg=loss_agg, num_seqs=B)
             l.backward()
             total += l.item()
         assert total == pytest.approx(loss_full.item(), abs=1e-6)

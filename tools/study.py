@@ -121,6 +121,8 @@ class Args:
     configs: str | None = arg(None, "comma list of configs (default: every config whose script "
                               "exists; they are listed at the top of tools/study.py)")
     seeds: str = arg("1,2,3", "comma list of seeds; every config runs every seed")
+    runs: str | None = arg(None, "explicit config:seed pairs, run in this order, instead of every "
+                           "config x every seed, e.g. tepo-seq-mean:1,dapo:2")
     steps: int | None = arg(None, "training steps per run (default: the scripts' own, 160 on the "
                             "tiny task); a finished run with fewer steps is continued to this many")
     jobs: int = arg(1, "runs at once; each gets max(1, cores // jobs) torch threads")
@@ -151,8 +153,11 @@ CONFIGS = {
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
     "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
     "tepo-seq-gspo": ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"]),  # PLAN.md (b)
+    "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: GRPO's aggregation
+    "grpo-no-kl": ("grpo", ["--beta", "0"]),  # PLAN-real.md: GRPO without its KL term
 }
-DEFAULT_CONFIGS = [c for c in CONFIGS if c not in ("tepo-seq-ppo", "tepo-seq-gspo")]  # the first study's
+DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
+DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"  # every run goes through it: the studies' diagnostics
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
 # PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence
 CANDIDATES = ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
@@ -249,35 +254,54 @@ class Job:
     proc: subprocess.Popen | None = None
 
 
-def make_jobs(args: Args, configs: list[str], seeds: list[int], out: Path) -> list[Job]:
+def resolve_runs(runs: str) -> list[tuple[str, int]]:
+    """--runs "a:1,b:2" -> [("a", 1), ("b", 2)], each config known and each seed an integer.
+
+    >>> resolve_runs("tepo-seq-mean:1, dapo:2")
+    [('tepo-seq-mean', 1), ('dapo', 2)]
+    """
+    pairs = []
+    for item in (x.strip() for x in runs.split(",") if x.strip()):
+        config, _, seed = item.rpartition(":")
+        if config not in CONFIGS or not seed.lstrip("-").isdigit():
+            raise UserError(f"--runs takes config:seed pairs with a known config, not {item!r} "
+                            f"(configs: {', '.join(CONFIGS)})")
+        pairs.append((config, int(seed)))
+    if not pairs:
+        raise UserError("--runs is empty")
+    return pairs
+
+
+def make_jobs(args: Args, configs: list[str], seeds: list[int], out: Path,
+              pairs: list[tuple[str, int]] | None = None) -> list[Job]:
     """The runs still to do, seed by seed so that with --jobs > 1 the configs share the machine
-    alike. Moves aside what cannot be resumed, and notes each resume's step for the timing."""
+    alike (or in the order of `pairs`). Moves aside what cannot be resumed, and notes each
+    resume's step for the timing. Each run goes through tools/diagnostics.py."""
     jobs = []
-    for seed in seeds:
-        for config in configs:
-            name = run_name(config, seed)
-            run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
-            resumes = out / "logs" / f"{name}.resumes"
-            script = str(ROOT / f"{CONFIGS[config][0]}.py")
-            steps = ["--steps", str(args.steps)] if args.steps is not None else []
-            action = plan_run(run_dir, args.steps)
-            if action == "skip":
-                continue
-            if action == "resume":
-                with open(resumes, "a") as f:
-                    f.write(f"{checkpoint_step(run_dir)}\n")
-                jobs.append(Job(name, [sys.executable, script, "--resume", str(run_dir), *steps],
-                                log, append=True))
-                continue
-            if action == "restart":
-                tqdm.write(f"{name}: stopped without a checkpoint; moved to "
-                           f"{move_aside(run_dir).name}, starting again")
-            resumes.unlink(missing_ok=True)
-            jobs.append(Job(name, [sys.executable, script, "--seed", str(seed),
-                                   "--output-dir", str(out / "runs"), "--run-name", name,
-                                   "--eval-every", str(args.eval_every),
-                                   "--eval-n", str(args.eval_n), *FIXED_FLAGS,
-                                   *CONFIGS[config][1], *shlex.split(args.extra), *steps], log))
+    for config, seed in pairs or [(c, s) for s in seeds for c in configs]:
+        name = run_name(config, seed)
+        run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
+        resumes = out / "logs" / f"{name}.resumes"
+        script = str(ROOT / f"{CONFIGS[config][0]}.py")
+        steps = ["--steps", str(args.steps)] if args.steps is not None else []
+        action = plan_run(run_dir, args.steps)
+        if action == "skip":
+            continue
+        if action == "resume":
+            with open(resumes, "a") as f:
+                f.write(f"{checkpoint_step(run_dir)}\n")
+            jobs.append(Job(name, [sys.executable, str(DIAGNOSTICS), script, "--resume", str(run_dir),
+                                   *steps], log, append=True))
+            continue
+        if action == "restart":
+            tqdm.write(f"{name}: stopped without a checkpoint; moved to "
+                       f"{move_aside(run_dir).name}, starting again")
+        resumes.unlink(missing_ok=True)
+        jobs.append(Job(name, [sys.executable, str(DIAGNOSTICS), script, "--seed", str(seed),
+                               "--output-dir", str(out / "runs"), "--run-name", name,
+                               "--eval-every", str(args.eval_every),
+                               "--eval-n", str(args.eval_n), *FIXED_FLAGS,
+                               *CONFIGS[config][1], *shlex.split(args.extra), *steps], log))
     return jobs
 
 
@@ -1125,14 +1149,18 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
 def study(args: Args) -> int:
     check_args(args)
     configs, seeds = resolve_configs(args.configs), resolve_seeds(args.seeds)
+    pairs = resolve_runs(args.runs) if args.runs else None
+    if pairs:  # the study's runs are exactly these
+        configs = list(dict.fromkeys(c for c, _ in pairs))
+        seeds = sorted({s for _, s in pairs})
     out = Path(args.out).resolve()
     failed = []
     if not args.no_run:
         out.mkdir(parents=True, exist_ok=True)
         check_same_settings(out, args, configs)
         (out / "logs").mkdir(exist_ok=True)
-        jobs = make_jobs(args, configs, seeds, out)
-        skipped = len(configs) * len(seeds) - len(jobs)
+        jobs = make_jobs(args, configs, seeds, out, pairs)
+        skipped = (len(pairs) if pairs else len(configs) * len(seeds)) - len(jobs)
         print(f"{len(jobs)} run(s) to do, {skipped} already finished, {args.jobs} at a time; "
               f"logs in {out / 'logs'}")
         failed = run_jobs(jobs, args.jobs)

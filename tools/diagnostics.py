@@ -1,0 +1,136 @@
+"""A training script, run as usual, with the studies' diagnostics in its metrics.jsonl.
+
+    python tools/diagnostics.py tepo.py --model models/SmolLM2-135M-Instruct --device cpu
+    python tools/diagnostics.py tepo.py --resume runs/<run>     # continue one, still diagnosed
+
+Every flag after the script's name is the script's own. tools/study.py starts (and resumes) each
+of its runs this way. The figures below come from the run's own tensors, handed over by
+`run.observe(...)` in the scripts' train() (harness.OBSERVERS; a plain `python tepo.py` calls no
+observer and logs none of them): nothing here changes what is learned, and every algorithmic
+piece is the script's own function.
+
+Per rollout batch ("rollout"):
+    right_cut_off_frac          share of the right answers that were cut off at the length cap
+    grad_mass_cut_token_mean    share of the gradient mass on cut-off completions under token-mean
+                                aggregation: sum over them of |A_i| L_i, over the sum for all (each
+                                token weighs 1 / N_tokens, so completion i weighs |A_i| L_i)
+    grad_mass_cut_seq_mean      the same under seq-mean-token-mean (token weight 1 / (L_i N_seq):
+                                completion i weighs |A_i|); per-token advantages sum |A_it| instead
+Per micro-batch of the update ("update"), averaged over the step's micro-batches as the scripts'
+own statistics are (the first mini-batch of a rollout batch is on-policy: its ratio is 1 and it
+never clips, so with 2 mini-batches the second's clip rates are twice these):
+    clip_frac_pos_adv, clip_frac_neg_adv   share of the tokens with A > 0 (A < 0) whose clip is active
+    clip_frac_cut, clip_frac_ended         the same over the tokens of cut-off (ended) completions
+    kl_pos_adv, kl_neg_adv      mean KL to the KL target on tokens of completions with A > 0 / A < 0
+    kl_off_mask                 (TEPO) mean KL on valid tokens off its KL mask
+    kl_first_quarter, kl_last_quarter   mean KL in the first / last quarter of each completion
+    kl_token_max                the largest KL of any token
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import harness  # noqa: E402
+
+
+def clip_bounds(args) -> tuple[float, float]:
+    """(eps_low, eps_high) of the run's ratio clip: clip_low / clip_high, or GRPO's symmetric eps."""
+    if hasattr(args, "clip_low"):
+        return args.clip_low, args.clip_high
+    return args.eps, args.eps
+
+
+def clipped_ratio(run, logp, old_logp, mask) -> torch.Tensor:
+    """[b, T] the ratio the run's loss clips: TEPO's carried ratio (its own function), else per token."""
+    if run.algo == "tepo":
+        tepo = importlib.import_module("tepo")
+        return torch.exp(tepo.carried_log_ratio(logp, old_logp, mask, run.args.ratio_level))
+    return torch.exp(logp - old_logp)
+
+
+def per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """[B] one advantage per completion, or [B, T] one per token -> broadcastable to [B, T]."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
+
+
+def rollout_figures(batch: dict, correct: torch.Tensor, advantages: torch.Tensor) -> dict:
+    m = batch["mask"].bool()  # [B, T]
+    cut = batch["truncated"].bool()  # [B]
+    right = correct.to(cut.device).bool()
+    out = {}
+    if right.any():
+        out["right_cut_off_frac"] = ((cut & right).sum() / right.sum()).item()
+    abs_a = torch.where(m, per_token(advantages).abs().float(), 0.0)  # [B, T]: |A| on valid tokens
+    mass = {"token_mean": abs_a.sum(1), "seq_mean": abs_a.sum(1) / m.sum(1).clamp(min=1)}  # [B] each
+    for name, w in mass.items():
+        if w.sum() > 0:
+            out[f"grad_mass_cut_{name}"] = (w[cut].sum() / w.sum()).item()
+    return out
+
+
+def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=None) -> dict:
+    batch = context["batch"]
+    m, cut = batch["mask"][rows].bool(), batch["truncated"][rows].bool()[:, None]  # [b, T], [b, 1]
+    A = per_token(context["advantages"][rows])
+    lo, hi = clip_bounds(run.args)
+    r = clipped_ratio(run, logp, old_logp, batch["mask"][rows])
+    clipped = ((r > 1 + hi) & (A > 0)) | ((r < 1 - lo) & (A < 0))  # [b, T]
+    out = {}
+    for name, where in (("pos_adv", A > 0), ("neg_adv", A < 0), ("cut", cut), ("ended", ~cut)):
+        where = where & m
+        if where.any():
+            out[f"clip_frac_{name}"] = (clipped & where).sum().item() / where.sum().item()
+    if kl_logp is not None:
+        d = kl_logp - logp
+        kl = torch.exp(d) - d - 1  # k3, as the scripts' k3_kl
+        position = m.cumsum(1) / m.sum(1, keepdim=True).clamp(min=1)  # [b, T] in (0, 1] on valid tokens
+
+        def mean_kl(where):  # mean KL over the valid tokens in `where` (0 when there are none)
+            where = where & m
+            return (torch.where(where, kl, 0.0).sum() / where.sum().clamp(min=1)).item()
+
+        out.update(kl_pos_adv=mean_kl(A > 0), kl_neg_adv=mean_kl(A < 0),
+                   kl_first_quarter=mean_kl(position <= 0.25), kl_last_quarter=mean_kl(position > 0.75),
+                   kl_token_max=torch.where(m, kl, 0.0).max().item() if m.any() else 0.0)
+        if M is not None:
+            out["kl_off_mask"] = mean_kl(~M)
+    return out
+
+
+def observe(run, where: str, tensors: dict) -> dict | None:
+    """The harness.OBSERVERS hook: keeps each rollout batch for the updates that follow it."""
+    if where == "rollout":
+        run.diagnostics_context = tensors
+        return rollout_figures(**tensors)
+    if where == "update" and getattr(run, "diagnostics_context", None) is not None:
+        return update_figures(run, run.diagnostics_context, **tensors)
+    return None
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].endswith(".py"):
+        print("usage: python tools/diagnostics.py SCRIPT.py [the script's flags]", file=sys.stderr)
+        raise SystemExit(2)
+    name = Path(argv[0]).stem
+    if not (ROOT / f"{name}.py").is_file():
+        print(f"error: no training script {argv[0]!r} in {ROOT}", file=sys.stderr)
+        raise SystemExit(2)
+    script = importlib.import_module(name)
+    harness.OBSERVERS.append(observe)
+    try:
+        return script.main(argv[1:])
+    finally:
+        harness.OBSERVERS.remove(observe)
+
+
+if __name__ == "__main__":
+    main()
