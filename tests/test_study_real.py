@@ -1,0 +1,86 @@
+"""tools/study_real.py: the real-model plan's rules (docs/study/PLAN-real.md) by hand, and the whole
+tool on a made-up study folder."""
+
+import doctest
+import json
+
+import pytest
+
+from tools import study_real as sr
+
+
+def _run(folder, name, greedy, cut=0.5, finished=True, diag=None):
+    """A fake finished run: held-out greedy at steps 0/15/30/45/60, truncated_frac `cut` every step."""
+    d = folder / "runs" / name
+    d.mkdir(parents=True)
+    rows = []
+    for step in range(61):
+        r = {"step": step}
+        if step:
+            r.update(truncated_frac=cut, **(diag or {}))
+        if step % 15 == 0:
+            r.update({"eval/greedy_acc": greedy[step // 15], "eval/sampled_acc": 0.05,
+                      "eval/greedy_truncated_frac": 0.25})
+        rows.append(r)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if finished:
+        (d / "summary.json").write_text(json.dumps({"steps": 60}))
+
+
+def test_doctests():
+    assert doctest.testmod(sr).failed == 0
+
+
+def test_the_rules_by_hand():
+    grpo = 43 / 384  # the recorded GRPO gains 24, 13 and 6 of 128
+    assert sr.classify({1: 7 / 128, 2: 7 / 128, 3: 0.0}, grpo) == "weak"  # 2 of 3, mean 0.036 < 0.056
+    assert sr.classify({1: 7 / 128, 2: 8 / 128, 3: 7 / 128}, grpo) == "learns"  # mean 0.057
+    assert sr.classify({1: 6 / 128, 2: 6 / 128, 3: 0.5}, grpo) == "fails"  # 6/128 < 0.05 twice
+    assert sr.attribution({"tepo-seq-ppo": "learns", "tepo-seq-mean": "weak"}, None, None) == \
+        "the clip"
+    assert sr.attribution({"tepo-seq-ppo": "fails", "tepo-seq-mean": "learns"}, False, None) == \
+        "the aggregation, not through the cut-off completions"
+    assert sr.attribution({"tepo-seq-ppo": "fails"}, None, None) == "pending"
+    assert sr.attribution({"tepo-seq-ppo": "fails", "tepo-seq-mean": "fails"}, None, "learns") \
+        .startswith("neither alone; grpo-no-kl learns")
+    finals = {"tepo-seq-gspo": [0.5] * 5, "tepo-seq-mean": [0.48] * 5}
+    assert sr.adoption("learns", True, finals).startswith("adopted")  # -0.02 is allowed
+    finals["tepo-seq-mean"] = [0.47] * 5
+    assert sr.adoption("learns", True, finals).startswith("not adopted")
+    assert sr.adoption("learns", False, finals) == "not adopted: tepo-seq-mean learns, not stable"
+    assert sr.adoption("learns", True, {}).startswith("pending")
+
+
+def test_the_tool_on_a_study_folder(tmp_path, capsys):
+    out, docs = tmp_path / "study", tmp_path / "docs"
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        + "".join(f"{c},{s},{k},{g},0.05,{cut if k == 60 else ''},,recorded\n"
+                  for c, gs, cut in (("grpo", (0.1, 0.1, 0.2, 0.2, 0.3), 0.4),
+                                     ("tepo", (0.1, 0.1, 0.1, 0.1, 0.1), 0.9))
+                  for s in (1, 2, 3) for k, g in zip((0, 15, 30, 45, 60), gs)))
+    diag = {"grad_mass_cut_token_mean": 0.6, "grad_mass_cut_seq_mean": 0.4, "clip_frac_cut": 0.1}
+    for s in (1, 2, 3):  # the aggregation learns and cuts off less; the clip does not learn
+        _run(out, f"tepo-seq-mean-s{s}", (0.1, 0.15, 0.2, 0.25, 0.3), cut=0.5, diag=diag)
+        _run(out, f"tepo-seq-ppo-s{s}", (0.1, 0.1, 0.1, 0.1, 0.12))
+    _run(out, "dapo-s1", (0.1,) * 5, finished=False)
+    assert sr.main(["--out", str(out), "--docs", str(docs), "--tiny", str(tmp_path / "none")]) == 0
+    text = (docs / "summary.md").read_text()
+    assert "| tepo-seq-mean | +0.200, +0.200, +0.200 | +0.200 | learns | yes |" in text
+    assert "| tepo-seq-ppo | +0.020, +0.020, +0.020 | +0.020 | fails | yes |" in text
+    assert "**Attribution**: the aggregation." in text
+    assert "pending (the tiny task's confirmation seeds 6-10)" in text
+    assert "| tepo-seq-mean | 1 | 50.0% | - | 60.0% / 40.0% | - / - | 10.0% / - |" in text
+    assert "Unfinished, left out: dapo-s1." in text
+    rows = (docs / "results.csv").read_text().splitlines()
+    assert rows[0] == ("config,seed,step,greedy_acc,sampled_acc,cut_off_share,"
+                       "greedy_cut_off_share,source")
+    assert "tepo-seq-mean,1,60,0.3,0.05,0.5,0.25,run" in rows  # cut off over steps 51-60
+    assert "tepo-seq-mean,1,0,0.1,0.05,,0.25,run" in rows  # no training step before step 0
+    assert "grpo,1,60,0.3,0.05,0.4,,recorded" in rows
+    assert (docs / "steps.csv").read_text().count("\n") == 1 + 6 * 60
+
+
+def test_missing_recorded_runs_is_one_line(tmp_path, one_line_error):
+    assert "recorded runs are missing" in one_line_error(sr.main, ["--docs", str(tmp_path)])

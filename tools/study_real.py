@@ -1,0 +1,378 @@
+"""The real-model study of docs/study/PLAN-real.md: why TEPO does not learn on SmolLM2.
+This tool applies the plan's rules, as numbers, to the runs; tools/study.py runs them:
+
+    python tools/study.py --jobs 2 --eval-every 15 --eval-n 128 --out runs/study-real \\
+        --extra "--model models/SmolLM2-135M-Instruct --device cpu --save-every 15" \\
+        --runs tepo-seq-mean:1,tepo-seq-mean:2,...      # the plan's order
+    python tools/study_real.py                          # -> docs/study/real/
+
+It reads the finished runs in --out (runs/<config>-s<seed>/metrics.jsonl) and the earlier runs
+the plan does not rerun (docs/study/real/recorded.csv), and writes to --docs: results.csv (one row
+per run and held-out evaluation), steps.csv (one row per training step, with the diagnostics of
+tools/diagnostics.py), summary.md (per-seed tables, and the plan's verdict, attribution and
+adoption, each with the rule that produced it) and curves.png. Unfinished runs are left out and
+named; a rule whose runs are not all in says "pending".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+import harness  # noqa: E402
+from common import UserError, arg  # noqa: E402
+from tools.study import save_small  # noqa: E402
+
+# The plan's numbers (docs/study/PLAN-real.md, "The rules")
+SEEDS = (1, 2, 3)
+GAIN = 0.05  # a seed "gains" at >= this much held-out greedy accuracy, step 0 -> 60
+OF = 2  # in at least 2 of the 3 seeds
+STABLE_DROP = 0.05  # stable: step 60 >= step 30 - this
+LAST_STEPS = range(51, 61)  # the cut-off share over these training steps
+CONFIGS = ("grpo", "tepo", "tepo-seq-mean", "tepo-seq-ppo", "dapo", "grpo-no-kl", "erpo", "sapo")
+STEP_COLUMNS = ("reward", "accuracy", "entropy", "completion_len", "truncated_frac", "clip_frac",
+                "kl", "mask_frac", "right_cut_off_frac", "grad_mass_cut_token_mean",
+                "grad_mass_cut_seq_mean", "clip_frac_pos_adv", "clip_frac_neg_adv",
+                "clip_frac_cut", "clip_frac_ended")
+TINY = ("tepo-seq-gspo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
+TINY_MARGIN = 0.02
+
+
+@dataclass
+class Args:
+    out: str = arg("runs/study-real", "the study folder tools/study.py ran the plan's runs in")
+    docs: str = arg("docs/study/real", "where results.csv, steps.csv, summary.md, curves.png go")
+    tiny: str = arg("runs/study-real-tiny", "the tiny task's confirmation runs (adoption rule)")
+
+
+# =====================================================================================
+# Reading: the runs' held-out evaluations and training steps
+# =====================================================================================
+def _f(x: str) -> float | None:
+    return float(x) if x not in ("", None) else None
+
+
+def read_recorded(path: Path) -> dict:
+    """{(config, seed): {step: row}} from recorded.csv (the runs the plan does not rerun)."""
+    runs = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            row = {"greedy": _f(r["greedy_acc"]), "sampled": _f(r["sampled_acc"]),
+                   "cut_off_share": _f(r["cut_off_share"]),
+                   "greedy_cut_off_share": _f(r["greedy_cut_off_share"]), "source": "recorded"}
+            runs.setdefault((r["config"], int(r["seed"])), {})[int(r["step"])] = row
+    return runs
+
+
+def cut_off_share(rows: list[dict], steps) -> float | None:
+    """The mean truncated_frac of the training steps in `steps` (None if none was logged)."""
+    vals = [r["truncated_frac"] for r in rows
+            if r["step"] in steps and r.get("truncated_frac") is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def evals_of(rows: list[dict]) -> dict:
+    """{step: row} of a run's held-out evaluations; the cut-off share over the 10 training
+    steps up to each (empty at step 0)."""
+    out = {}
+    for r in rows:
+        if r.get("eval/greedy_acc") is None:
+            continue
+        s = r["step"]
+        out[s] = {"greedy": r["eval/greedy_acc"], "sampled": r.get("eval/sampled_acc"),
+                  "cut_off_share": cut_off_share(rows, range(s - 9, s + 1)) if s else None,
+                  "greedy_cut_off_share": r.get("eval/greedy_truncated_frac"), "source": "run"}
+    return out
+
+
+def read_runs(out: Path) -> tuple[dict, dict, list[str]]:
+    """(evaluations {(config, seed): {step: row}}, training rows {(config, seed): [rows]},
+    unfinished run names) of the runs in a tools/study.py folder."""
+    evals, steps, unfinished = {}, {}, []
+    for d in sorted((out / "runs").glob("*-s*")) if (out / "runs").is_dir() else []:
+        config, _, seed = d.name.rpartition("-s")
+        if not seed.isdigit() or not (d / "metrics.jsonl").is_file():
+            continue
+        if not (d / "summary.json").is_file():
+            unfinished.append(d.name)
+            continue
+        rows = harness.read_metrics(d)
+        evals[config, int(seed)] = evals_of(rows)
+        steps[config, int(seed)] = [r for r in rows if r["step"] > 0]
+    return evals, steps, unfinished
+
+
+# =====================================================================================
+# The plan's rules
+# =====================================================================================
+def gains(evals: dict, config: str) -> dict[int, float]:
+    """{seed: greedy(60) - greedy(0)} over the plan's seeds that have both evaluations."""
+    out = {}
+    for s in SEEDS:
+        e = evals.get((config, s), {})
+        if 0 in e and 60 in e:
+            out[s] = e[60]["greedy"] - e[0]["greedy"]
+    return out
+
+
+def classify(g: dict[int, float], grpo_mean: float) -> str | None:
+    """learns / fails / weak (the plan's rules), None until all three seeds are in.
+
+    >>> classify({1: 0.19, 2: 0.10, 3: 0.047}, 0.112), classify({1: 0.02, 2: 0.0, 3: 0.1}, 0.112)
+    ('learns', 'fails')
+    >>> classify({1: 0.055, 2: 0.055, 3: 0.0}, 0.112), classify({1: 0.2}, 0.112)
+    ('weak', None)
+    """
+    if len(g) < len(SEEDS):
+        return None
+    up = sum(v >= GAIN for v in g.values())
+    if up >= OF and statistics.mean(g.values()) >= grpo_mean / 2:
+        return "learns"
+    if len(SEEDS) - up >= OF:
+        return "fails"
+    return "weak"
+
+
+def stable(evals: dict, config: str) -> bool | None:
+    """Step 60 >= step 30 - 0.05 in at least 2 of 3 seeds; None until all three are in.
+
+    >>> e = {("x", s): {30: {"greedy": 0.3}, 60: {"greedy": g}}
+    ...      for s, g in ((1, .2), (2, .26), (3, .3))}
+    >>> stable(e, "x")
+    True
+    """
+    ok = [evals[config, s][60]["greedy"] >= evals[config, s][30]["greedy"] - STABLE_DROP
+          for s in SEEDS if 30 in evals.get((config, s), {}) and 60 in evals.get((config, s), {})]
+    return None if len(ok) < len(SEEDS) else sum(ok) >= OF
+
+
+def attribution(verdicts: dict, less_cut_off: bool | None, no_kl: str | None) -> str:
+    """The plan's attribution of why today's TEPO does not learn.
+
+    >>> attribution({"tepo-seq-ppo": "fails", "tepo-seq-mean": "learns"}, True, None)
+    'the aggregation'
+    >>> attribution({"tepo-seq-ppo": "learns", "tepo-seq-mean": "learns"}, True, None)
+    'both'
+    >>> attribution({"tepo-seq-ppo": "weak", "tepo-seq-mean": "fails"}, None, "fails")
+    'neither alone; grpo-no-kl fails: the KL is implicated'
+    """
+    clip, agg = verdicts.get("tepo-seq-ppo"), verdicts.get("tepo-seq-mean")
+    if clip is None or agg is None:
+        return "pending"
+    if clip == "learns" and agg == "learns":
+        return "both"
+    if clip == "learns":
+        return "the clip"
+    if agg == "learns":
+        if less_cut_off is None:
+            return "the aggregation (pending: the cut-off shares)"
+        return "the aggregation" if less_cut_off else \
+            "the aggregation, not through the cut-off completions"
+    if no_kl is None:
+        return "neither alone (grpo-no-kl pending)"
+    if no_kl == "fails":
+        return "neither alone; grpo-no-kl fails: the KL is implicated"
+    return f"neither alone; grpo-no-kl {no_kl}: not the KL either, none of the three alone"
+
+
+def fewer_cut_off(steps: dict, evals: dict, config: str = "tepo-seq-mean") -> bool | None:
+    """Its cut-off share over steps 51-60 is below tepo's in at least 2 of 3 seeds."""
+    below = []
+    for s in SEEDS:
+        mine = cut_off_share(steps[config, s], LAST_STEPS) if (config, s) in steps else None
+        theirs = evals.get(("tepo", s), {}).get(60, {}).get("cut_off_share")
+        if mine is None or theirs is None:
+            return None
+        below.append(mine < theirs)
+    return sum(below) >= OF
+
+
+def tiny_finals(tiny: Path) -> dict[str, list[float]]:
+    """Final held-out sampled accuracy of each adoption config on the tiny task's seeds 6-10."""
+    out = {}
+    for config in TINY:
+        finals = []
+        for s in range(6, 11):
+            d = tiny / "runs" / f"{config}-s{s}"
+            if (d / "summary.json").is_file():
+                finals.append(json.loads((d / "summary.json").read_text())["last_eval"]
+                              ["eval/sampled_acc"])
+        out[config] = finals
+    return out
+
+
+def adoption(verdict: str | None, is_stable: bool | None, finals: dict) -> str:
+    """The plan's adoption rule for --loss-agg seq-mean-token-mean."""
+    if verdict is None or is_stable is None:
+        return "pending (the tepo-seq-mean runs)"
+    if verdict != "learns" or not is_stable:
+        return f"not adopted: tepo-seq-mean {verdict}" + ("" if is_stable else ", not stable")
+    old, new = (finals.get(c, []) for c in TINY)
+    if len(old) < 5 or len(new) < 5:
+        return "pending (the tiny task's confirmation seeds 6-10)"
+    d = statistics.mean(new) - statistics.mean(old)
+    verdict = "adopted" if round(d, 9) >= -TINY_MARGIN else "not adopted"  # no float dust
+    return (f"{verdict}: on the tiny task (seeds 6-10) its mean final sampled accuracy is "
+            f"{statistics.mean(new):.3f} against today's default's {statistics.mean(old):.3f} "
+            f"({d:+.3f}; the plan allows -{TINY_MARGIN})")
+
+
+# =====================================================================================
+# Writing
+# =====================================================================================
+def _c(v) -> str:
+    return "" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def write_csvs(docs: Path, evals: dict, steps: dict) -> None:
+    with open(docs / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "step", "greedy_acc", "sampled_acc", "cut_off_share",
+                    "greedy_cut_off_share", "source"])
+        order = sorted(evals, key=lambda k: (CONFIGS.index(k[0]) if k[0] in CONFIGS else 99, k[1]))
+        for config, seed in order:
+            e = evals[config, seed]
+            for step, r in sorted(e.items()):
+                w.writerow([config, seed, step, _c(r["greedy"]), _c(r["sampled"]),
+                            _c(r["cut_off_share"]), _c(r["greedy_cut_off_share"]), r["source"]])
+    with open(docs / "steps.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "step", *STEP_COLUMNS])
+        for (config, seed), rows in sorted(steps.items()):
+            for r in rows:
+                w.writerow([config, seed, r["step"], *(_c(r.get(k)) for k in STEP_COLUMNS)])
+
+
+def _step_mean(rows: list[dict], key: str, last=LAST_STEPS) -> float | None:
+    vals = [r[key] for r in rows if r["step"] in last and r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> str:
+    g_grpo = gains(evals, "grpo")
+    grpo_mean = statistics.mean(g_grpo.values()) if len(g_grpo) == len(SEEDS) else None
+    lines = ["# TEPO on a real model: the plan's runs and its verdict", "",
+             "SmolLM2-135M-Instruct, the cpu preset, 60 steps; held-out greedy and sampled "
+             "accuracy on the same 128 problems (docs/study/PLAN-real.md). Written by "
+             "`python tools/study_real.py`.", "",
+             "| config | seed | greedy at steps 0, 15, 30, 45, 60 | gain | sampled, 0 -> 60 "
+             "| cut off, steps 51-60 | source |", "|---|---|---|---|---|---|---|"]
+    for config in CONFIGS:
+        for s in (1, 2, 3):
+            e = evals.get((config, s))
+            if not e:
+                continue
+            greedy = ", ".join(f"{e[k]['greedy']:.3f}" if k in e else "-"
+                               for k in (0, 15, 30, 45, 60))
+            gain = f"{e[60]['greedy'] - e[0]['greedy']:+.3f}" if 0 in e and 60 in e else "-"
+            samp = " -> ".join(f"{e[k]['sampled']:.3f}" if k in e and e[k]["sampled"] is not None
+                               else "-" for k in (0, 60))
+            cut = e.get(60, {}).get("cut_off_share")
+            src = e.get(0, {}).get("source", "run")
+            lines.append(f"| {config} | {s} | {greedy} | {gain} | {samp} | "
+                         f"{'-' if cut is None else f'{cut:.0%}'} | {src} |")
+    if grpo_mean is None:
+        return "\n".join(lines + ["", "GRPO's gains are not all in: no verdict."]) + "\n"
+    lines += ["", f"GRPO's mean gain {grpo_mean:.3f} (half of it {grpo_mean / 2:.3f}).", "",
+              "## The verdicts, by the plan's rules", "",
+              "| config | gains by seed | mean | learns / fails / weak | stable |",
+              "|---|---|---|---|---|"]
+    verdicts = {}
+    for config in CONFIGS:
+        g = gains(evals, config)
+        if not g:
+            continue
+        verdicts[config] = classify(g, grpo_mean)
+        st = stable(evals, config)
+        lines.append(f"| {config} | {', '.join(f'{v:+.3f}' for v in g.values())} | "
+                     f"{statistics.mean(g.values()):+.3f} | {verdicts[config] or 'pending'} | "
+                     f"{'-' if st is None else 'yes' if st else 'no'} |")
+    less = fewer_cut_off(steps, evals)
+    lines += ["", f"**Attribution**: {attribution(verdicts, less, verdicts.get('grpo-no-kl'))}.",
+              f"(`tepo-seq-mean`'s cut-off share over steps 51-60 below `tepo`'s in at least 2 "
+              f"of 3 seeds: {'pending' if less is None else 'yes' if less else 'no'}.)", "",
+              f"**Adoption** of `--loss-agg seq-mean-token-mean`: "
+              f"{adoption(verdicts.get('tepo-seq-mean'), stable(evals, 'tepo-seq-mean'), finals)}.",
+              "", "## Diagnostics over steps 51-60 (means of the training steps)",
+              "", "| config | seed | cut off | right answers cut off | gradient mass on cut-off, "
+              "token-mean / seq-mean | clip rate A > 0 / A < 0 | clip rate cut off / ended |",
+              "|---|---|---|---|---|---|---|"]
+    for (config, s), rows in sorted(steps.items()):
+        m = {k: _step_mean(rows, k) for k in STEP_COLUMNS}
+
+        def p(k):
+            return "-" if m[k] is None else f"{m[k]:.1%}"
+        lines.append(f"| {config} | {s} | {p('truncated_frac')} | {p('right_cut_off_frac')} | "
+                     f"{p('grad_mass_cut_token_mean')} / {p('grad_mass_cut_seq_mean')} | "
+                     f"{p('clip_frac_pos_adv')} / {p('clip_frac_neg_adv')} | "
+                     f"{p('clip_frac_cut')} / {p('clip_frac_ended')} |")
+    if unfinished:
+        lines += ["", f"Unfinished, left out: {', '.join(unfinished)}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(docs: Path, evals: dict, steps: dict) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    colours = dict(zip(CONFIGS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for (config, s), e in sorted(evals.items()):
+        ks = sorted(e)
+        first = s == min(x for c, x in evals if c == config)  # one legend entry per config
+        axes[0].plot(ks, [e[k]["greedy"] for k in ks], marker="o", ms=3, alpha=0.8,
+                     color=colours.get(config), label=config if first else None)
+    for ax, key, title in ((axes[1], "truncated_frac", "cut off (training batches)"),
+                           (axes[2], "grad_mass_cut_token_mean",
+                            "gradient mass on cut-off completions (token-mean weights)")):
+        for (config, s), rows in sorted(steps.items()):
+            xs = [r["step"] for r in rows if r.get(key) is not None]
+            ys = [r[key] for r in rows if r.get(key) is not None]
+            if xs:
+                ax.plot(xs, ys, color=colours.get(config), alpha=0.6, lw=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("training step")
+    axes[0].set_title("held-out greedy accuracy (128 problems)", fontsize=10)
+    axes[0].set_xlabel("training step")
+    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_small(fig, docs / "curves.png")
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    a = common.parse_args(Args, argv)
+    with harness.user_errors():
+        docs, out = Path(a.docs), Path(a.out)
+        recorded = docs / "recorded.csv"
+        if not recorded.is_file():
+            raise UserError(f"no {recorded}: the plan's recorded runs are missing")
+        evals = read_recorded(recorded)
+        run_evals, steps, unfinished = read_runs(out)
+        evals.update(run_evals)  # a run of the plan's replaces nothing recorded (different names)
+        write_csvs(docs, evals, steps)
+        text = summary(evals, steps, unfinished, tiny_finals(Path(a.tiny)))
+        (docs / "summary.md").write_text(text)
+        drawn = plot(docs, evals, steps)
+        print(f"wrote {docs / 'summary.md'}, results.csv, steps.csv"
+              + (", curves.png" if drawn else ""))
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
