@@ -10,13 +10,13 @@ it is graded lives in tasks.py; the run folder, checkpoints and logging in harne
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
-import json
 import math
 import random
 import sys
 import time
+from html import escape
+import typing
 from pathlib import Path
 
 import torch
@@ -39,6 +39,10 @@ def first_line(e: Exception) -> str:
 # Arguments: a dataclass per script, parsed by transformers' HfArgumentParser, checked up front
 # =====================================================================================
 ANSWER_EXTRACTIONS = ("boxed", "math_verify")  # what tasks.grade reads as the final answer
+PRESET_NAMES = ("tiny", "cpu", "gpu")
+# The flags a --resume may change, because they do not change what is learned.
+RESUMABLE = ("steps", "device", "save_every", "keep_checkpoints", "sample_every", "tensorboard",
+             "resume")
 
 
 def arg(default, help: str, **metadata):
@@ -58,40 +62,99 @@ def parse_args(cls, argv=None):
     return args
 
 
-AT_LEAST_ONE = ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "steps",
-                "num_mini_batches", "ppo_epochs", "micro_batch_size", "eval_every", "eval_n", "save_every",
-                "keep_checkpoints", "sample_every", "grader_timeout")
+@dataclasses.dataclass
+class RunArgs:
+    """The run's flags, the same in every script; a script's Args adds its algorithm's. A flag
+    left at None takes the preset's value (PRESETS, as the script changes them)."""
+    # --- model and data ---
+    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
+    dataset: str | None = arg(None, "tiny, words, math, dapo-math, a hub id, or a data file")
+    problem_column: str | None = arg(None, "column of the problem (default: known, or 'problem')")
+    answer_column: str | None = arg(None, "column of the answer (default: known, or 'answer')")
+    template: str | None = arg(None, "prompt template: qwen_math, tiny, plain or chat")
+    eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
+    answer_extraction: str | None = arg(None, "final answer: the last \\boxed{}, or math-verify's "
+                                        "from free text", choices=list(ANSWER_EXTRACTIONS))
+    trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
+    preset: str = arg("auto", "where unset flags take their values: tiny (the bundled model), cpu, "
+                      "gpu; auto picks by --model and --device", choices=["auto", *PRESET_NAMES])
+    # --- rollouts ---
+    prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
+    group_size: int | None = arg(None, "G, completions sampled per prompt")
+    max_new_tokens: int | None = arg(None, "completion length cap")
+    max_prompt_tokens: int | None = arg(None, "longer prompts are dropped (default: context - "
+                                        "max_new_tokens)")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; keep 1.0: log-probs describe what was sampled")
+    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all)")
+    # --- optimisation ---
+    steps: int | None = arg(None, "rollout batches to train on")
+    lr: float | None = arg(None, "AdamW learning rate")
+    warmup_steps: int | None = arg(None, "linear lr warm-up in optimizer steps, then constant")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
+    num_mini_batches: int | None = arg(None, "optimizer steps per rollout batch (mini-batches)")
+    ppo_epochs: int = arg(1, "passes over the rollout batch")
+    micro_batch_size: int | None = arg(None, "completions per forward/backward (grads accumulate)")
+    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
+    gradient_checkpointing: bool | None = arg(None, "recompute activations (default: on CUDA)")
+    bf16: bool | None = arg(None, "bf16 autocast over fp32 weights (default: on CUDA)")
+    # --- LoRA (PEFT) ---
+    lora_rank: int | None = arg(None, "LoRA rank r: adapters on a frozen base; 0 = full "
+                                "fine-tuning (the tiny and gpu presets'; the cpu preset's is 16)")
+    lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
+    lora_target_modules: str = arg("all-linear", "modules that get adapters: all-linear (every "
+                                   "linear layer of the blocks) or a list, e.g. q_proj,v_proj")
+    # --- run ---
+    seed: int = arg(1, "seed for data order, sampling and init")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
+    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
+    eval_every: int | None = arg(None, "held-out evaluation every N steps, and first and last")
+    eval_n: int | None = arg(None, "held-out problems per evaluation (the same for every seed)")
+    save_every: int | None = arg(None, "checkpoint every N steps, and at the end")
+    keep_checkpoints: int = arg(2, "checkpoints kept (only the newest keeps the optimizer)")
+    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
+    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
+    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
+    resume: str | None = arg(None, "a run folder or checkpoint to continue, in place, with its "
+                             "saved flags (only " + ", ".join(f"--{k.replace('_', '-')}" for k in
+                             RESUMABLE[:-1]) + " may change)")
 
 
-PRESETS = ("tiny", "cpu", "gpu")
+AT_LEAST_ONE = ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "gen_batch_size",
+                "steps", "num_mini_batches", "ppo_epochs", "micro_batch_size", "eval_every",
+                "eval_n", "save_every", "keep_checkpoints", "sample_every", "grader_timeout")
 
 
-def apply_preset(args, presets: dict[str, dict], cuda: bool) -> None:
-    """Fill every field left at None from a script's preset: --preset, or by model and device
-    (auto: tiny for the bundled model and checkpoints of it, gpu for another model on CUDA, cpu
-    for another model on a CPU). A preset's lora_lr is its lr under --lora-rank."""
-    name = args.preset
-    if name == "auto":
-        name = "tiny" if is_tiny(args.model) else "gpu" if cuda else "cpu"
-    if name not in presets:
-        raise UserError(f"unknown --preset {args.preset!r}; choose from auto, {', '.join(presets)}")
-    args.preset, preset = name, dict(presets[name])
-    lora_lr, lora_rank = preset.pop("lora_lr"), preset.pop("lora_rank", 0)
-    args.lora_rank = lora_rank if args.lora_rank is None else args.lora_rank
-    if args.lora_rank:
-        preset["lr"] = lora_lr
-    for k, v in preset.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+def flag(name: str) -> str:
+    """The command-line spelling of a dataclass field: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+def check_finite(args) -> None:
+    """Every float flag must be a finite number: `--lr inf` or `--temperature nan` would pass a
+    range check (nan fails every comparison, inf passes `> 0`) and fail later, in a traceback."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        v, types = getattr(args, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if float in types and v is not None and not math.isfinite(v):
+            raise UserError(f"{flag(f.name)} must be a finite number, not {v}")
+
+
+def changed_flags(args, saved, defaults) -> list[str]:
+    """The flags given on a --resume (not at their defaults) that differ from the saved run's."""
+    def flag(k):
+        return "--" + k.replace("_", "-")
+    return [f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
+            for k in (f.name for f in dataclasses.fields(args)) if k not in RESUMABLE
+            and getattr(args, k) != getattr(defaults, k) and getattr(args, k) != getattr(saved, k)]
 
 
 def check_args(args, rules: dict[str, bool] | None = None) -> None:
-    """Every flag is checked before anything loads. The common flags are checked here by name;
-    `rules` adds a script's own, as {"message if it fails": condition}."""
-
-    def flag(name):
-        return "--" + name.replace("_", "-")
-
+    """Every flag is checked before anything loads: every float flag for finiteness, the common
+    flags here by name; `rules` adds a script's own, as {"message if it fails": condition}."""
+    check_finite(args)
     for name in AT_LEAST_ONE:
         v = getattr(args, name, None)
         if v is not None and v < 1:
@@ -112,7 +175,8 @@ def check_args(args, rules: dict[str, bool] | None = None) -> None:
     if (getattr(args, "lora_rank", 0) or 0) > 0 and importlib.util.find_spec("peft") is None:
         raise UserError("--lora-rank needs peft: pip install peft")
     if getattr(args, "answer_extraction", "boxed") not in ANSWER_EXTRACTIONS:
-        raise UserError(f"--answer-extraction must be one of {', '.join(ANSWER_EXTRACTIONS)}")
+        raise UserError(f"--answer-extraction must be one of {', '.join(ANSWER_EXTRACTIONS)}, not "
+                        f"{args.answer_extraction!r}")
     for message, ok in (rules or {}).items():
         if not ok:
             raise UserError(message)
@@ -138,60 +202,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# =====================================================================================
-# Model names and folders
-# =====================================================================================
-# Short names a user can type without the organisation, e.g. `--model Qwen2.5-Math-1.5B`.
-HUB_ORGS_BY_PREFIX = {"Qwen": "Qwen", "DeepSeek": "deepseek-ai", "deepseek": "deepseek-ai", "Llama": "meta-llama",
-                      "OLMo": "allenai", "SmolLM": "HuggingFaceTB"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def resolve_model_name(name: str) -> str:
-    """'tiny' -> the bundled folder; an existing path -> itself; 'Qwen2.5-Math-1.5B' ->
-    'Qwen/Qwen2.5-Math-1.5B'; 'org/name' -> unchanged (a hub id)."""
-    if name == "tiny":
-        return str(TINY_MODEL_DIR)
-    if Path(name).expanduser().exists():
-        return str(Path(name).expanduser())
-    if "/" in name:
-        if name.startswith((".", "/", "~")) or name.count("/") > 1:
-            raise UserError(f"model folder {name!r} does not exist")
-        return name
-    for prefix, org in HUB_ORGS_BY_PREFIX.items():
-        if name.startswith(prefix):
-            return f"{org}/{name}"
-    raise UserError(f"unknown model {name!r}: give 'tiny', a local folder, a hub id such as "
-                    f"'Qwen/Qwen2.5-Math-1.5B', or a short Qwen name such as 'Qwen2.5-Math-1.5B'")
-
-
-def check_model_folder(path: str) -> None:
-    """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer: without its
-    tokenizer files (a checkpoint copied without them) transformers loads an empty tokenizer and
-    fails deep in generate."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return  # a hub id: the hub's errors are turned into one line where it is loaded
-    if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
-        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model folder?")
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise UserError(f"model folder {path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
-                        f"copy them from the model it was trained from")
-
-
-def is_tiny(model_name: str) -> bool:
-    """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json):
-    both get the tiny presets."""
-    path = Path(resolve_model_name(model_name))
-    if (path / "adapter_config.json").is_file():  # a LoRA checkpoint: its base decides
-        path = Path(json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or "")
-    if path.resolve() == TINY_MODEL_DIR.resolve():
-        return True
-    ref, cfg = TINY_MODEL_DIR / "config.json", path / "config.json"
-    if not (ref.is_file() and cfg.is_file()):
-        return False
-    a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
-    return all(a.get(k) == b.get(k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"))
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # =====================================================================================
@@ -202,7 +224,8 @@ def make_optimizer(params: list, args):
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise UserError("--optim adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+            raise UserError("--optim adamw8bit needs bitsandbytes: pip install bitsandbytes") \
+                from None
         optimizer = bnb.optim.AdamW8bit(params, lr=args.lr, weight_decay=args.weight_decay)
     elif args.optim == "adamw":
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -236,7 +259,8 @@ SUMMED_STATS = ("skipped_updates", "optimizer_steps")
 
 
 def reduce_stats(rows: list[dict]) -> dict:
-    """Average per-micro-batch statistics; keys ending in _min / _max keep the extreme, counts add up."""
+    """Average per-micro-batch statistics; keys ending in _min / _max keep the extreme, counts
+    add up."""
     out = {}
     for k in dict.fromkeys(k for r in rows for k in r):
         vals = [float(r[k]) for r in rows if k in r]
@@ -270,9 +294,10 @@ class Stopwatch:
         self.last = now
 
     def metrics(self, tokens: float) -> dict:
-        """time/<phase> for each phase, time/step since the start, and tokens per second of the step."""
+        """time/<phase> for each phase, time/step since the start, and the step's tokens/s."""
         step = self._now() - self.start
-        return {**{f"time/{k}": v for k, v in self.times.items()}, "time/step": step, "tokens_per_s": tokens / step}
+        return {**{f"time/{k}": v for k, v in self.times.items()}, "time/step": step,
+                "tokens_per_s": tokens / step}
 
 
 def warn(msg: str) -> None:
@@ -282,12 +307,44 @@ def warn(msg: str) -> None:
     tqdm.write(f"warning: {msg}", file=sys.stderr)
 
 
-@functools.lru_cache(maxsize=None)
-def git_commit() -> str | None:
-    try:
-        head = (ROOT / ".git" / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            return (ROOT / ".git" / head[5:]).read_text().strip()[:12]
-        return head[:12]
-    except OSError:
-        return None
+# =====================================================================================
+# Per-token HTML samples: one self-contained file, no network
+# =====================================================================================
+def _colour(v: float, lo: float, hi: float) -> str:
+    """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
+    if lo < 0 < hi:
+        s = v / max(abs(lo), abs(hi)) if v else 0.0
+        r, g, b = (255, int(255 * (1 - s)),
+                   int(255 * (1 - s))) if s > 0 else (int(255 * (1 + s)),) * 2 + (255,)
+    else:
+        s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
+        r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
+    return f"rgb({r},{g},{b})"
+
+
+def token_html(title: str, rows: list[dict]) -> str:
+    """rows: {"header", "prompt", "tokens": [str], "values": {name: [float per token]}}. Each
+    token is a <span class="tok"> with data-<name> colours and a title listing every value."""
+    names = list(rows[0]["values"]) if rows else []
+    every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
+    ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
+    out = [f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
+           "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+           ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
+           ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
+           f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
+           *[f"<option>{escape(n)}</option>" for n in names],
+           "</select> (hover a token for every value)</p>"]
+    for r in rows:
+        out.append(f"<div class='sample'><b>{escape(r['header'])}</b>"
+                   f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>")
+        for t, tok in enumerate(r["tokens"]):
+            vals = {n: r["values"][n][t] for n in names}
+            data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
+            tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
+            out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
+        out.append("</div></div>")
+    out.append("<script>function paint(){var q=document.getElementById('q').value;"
+               "document.querySelectorAll('.tok').forEach(function(e){"
+               "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>")
+    return "\n".join(out)

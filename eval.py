@@ -50,17 +50,19 @@ in different folders never overwrite each other's results.
 position) and generates only the rest. Mixing rows made with other settings would make one score of
 two evaluations, so it refuses, naming the setting, when the earlier run's .json records another
 --model, --template, --max-new-tokens, --temperature, --top-p, --n, --answer-extraction or grader
-version (--seed, --batch-size, --dtype and --device may change).
+version (--seed, --gen-batch-size, --dtype and --device may change).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import random
 import re
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -72,10 +74,12 @@ import torch
 from tqdm import tqdm
 
 import common
-from common import (TINY_MODEL_DIR, UserError, arg, check_model_folder, first_line, git_commit, is_tiny,
-                    resolve_device, resolve_model_name, seed_everything)
-from grpo import completion_mask, decode_completions, eos_token_ids  # the training scripts' own helpers
-from tasks import GENERATED, TEMPLATES, build_prompt, grade, load_problems
+import harness
+from common import (ROOT, TINY_MODEL_DIR, UserError, arg, first_line, resolve_device,
+                    seed_everything)
+from grpo import completion_mask, decode_completions, eos_token_ids  # the scripts' own helpers
+from tasks import (GENERATED, TEMPLATES, build_prompt, check_model_folder, damaged_weights, grade,
+                   is_tiny, load_problems, resolve_model_name)
 
 
 # =====================================================================================
@@ -99,41 +103,53 @@ BENCHMARKS = {
     "gsm8k": Benchmark("openai/gsm8k", "main", "test", "question", "answer"),
 }
 KNOWN = ", ".join(["tiny", "words", *BENCHMARKS])
-SUBSET_SEED = 0  # --limit picks the same problems whatever --seed is, so runs stay comparable
+SUBSET_SEED = 0  # --eval-n picks the same problems whatever --seed is, so runs stay comparable
 
 
+# The flags are spelled as the training scripts spell the same settings (--eval-n, --gen-batch-size;
+# eval.py's first spellings, --limit and --batch-size, still work). A flag left unset (None) says
+# in its help what it then follows; the parser adds each default once, as "(default: ...)".
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (the bundled model), a checkpoint folder such as runs/<run>/checkpoint-N, "
-                     "a hub id, or a short Qwen name such as Qwen2.5-Math-1.5B")
-    benchmarks: str | None = arg(None, f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet file, or a "
-                                 "hub dataset id (org/name). Default: tiny for the tiny model, else math500")
-    split: str = arg("test", "split of a hub dataset id given in --benchmarks (the named benchmarks know their own)")
-    problem_column: str | None = arg(None, "problem column of a file or hub dataset id in --benchmarks; unset "
-                                     "means 'problem'")
-    answer_column: str | None = arg(None, "gold-answer column of a file or hub dataset id in --benchmarks; unset "
-                                    "means 'answer'")
-    limit: int | None = arg(None, "evaluate a fixed random subset of this many problems per benchmark (default: all)")
-    template: str | None = arg(None, f"prompt template, one of {', '.join(TEMPLATES)} (default: tiny for the tiny "
-                               "model, else qwen_math)")
+    model: str = arg("tiny", "'tiny' (the bundled model), a checkpoint folder such as "
+                     "runs/<run>/checkpoint-N, a hub id, or a short Qwen name such as "
+                     "Qwen2.5-Math-1.5B")
+    benchmarks: str | None = arg(None, f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet "
+                                 "file, or a hub dataset id (org/name); unset: tiny for the tiny "
+                                 "model, else math500")
+    split: str = arg("test", "split of a hub dataset id given in --benchmarks (the named "
+                     "benchmarks know their own)")
+    problem_column: str | None = arg(None, "problem column of a file or hub dataset id in "
+                                     "--benchmarks; unset: 'problem'")
+    answer_column: str | None = arg(None, "gold-answer column of a file or hub dataset id in "
+                                    "--benchmarks; unset: 'answer'")
+    eval_n: int | None = arg(None, "problems per benchmark: a fixed random subset of this many, "
+                             "the same whatever --seed; unset: all", aliases=["--limit"])
+    template: str | None = arg(None, f"prompt template, one of {', '.join(TEMPLATES)}; unset: tiny "
+                               "for the tiny model, else qwen_math")
     n: int = arg(1, "samples per problem (needs --temperature > 0 when > 1)")
     temperature: float = arg(0.0, "0 = greedy decoding; > 0 = sampling")
     top_p: float = arg(1.0, "nucleus sampling threshold (sampling only)")
-    pass_k: str = arg("1,2,4,8,16,32,64,128,256", "k values for pass@k; only those <= --n are reported")
-    answer_extraction: str = arg("boxed", "which answer is graded: boxed = the last \\boxed{} of the completion; "
-                                 "math_verify = math-verify's own extraction of the final answer from the whole "
-                                 "text (for models that answer 'The answer is: 42' or '#### 42')",
+    pass_k: str = arg("1,2,4,8,16,32,64,128,256", "k values for pass@k; only those <= --n are "
+                      "reported")
+    answer_extraction: str = arg("boxed", "which answer is graded: boxed = the last \\boxed{} of "
+                                 "the completion; math_verify = math-verify's own extraction of "
+                                 "the final answer from the whole text (for models that answer "
+                                 "'The answer is: 42' or '#### 42')",
                                  choices=list(common.ANSWER_EXTRACTIONS))
-    max_new_tokens: int | None = arg(None, "generation budget per sample (default: 48 for the tiny model, else 3000)")
-    batch_size: int = arg(64, "prompts per generate() call")
+    max_new_tokens: int | None = arg(None, "generation budget per sample; unset: 48 for the tiny "
+                                     "model, else 3000")
+    gen_batch_size: int = arg(64, "completions per generate() call",
+                              aliases=["--batch-size", "--batch_size"])
     device: str = arg("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = arg("auto", "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32")
     seed: int = arg(0, "seed for sampling (reset before each benchmark)")
     trust_remote_code: bool = arg(False, "allow model code from the hub")
-    output_dir: str | None = arg(None, "where results go (default: runs/eval/<model-name>/)")
-    resume: bool = arg(False, "keep samples already in the JSONL of an earlier run with the same decoding tag and "
-                       "generate only the rest; refused if that run used another --model, --template, "
-                       "--max-new-tokens, --temperature, --top-p, --n or --answer-extraction")
+    output_dir: str | None = arg(None, "where results go; unset: runs/eval/<model-name>/")
+    resume: bool = arg(False, "keep samples already in the JSONL of an earlier run with the same "
+                       "decoding tag and generate only the rest; refused if that run used another "
+                       "--model, --template, --max-new-tokens, --temperature, --top-p, --n or "
+                       "--answer-extraction")
 
 
 def clean_gold(value, benchmark: str) -> str:
@@ -164,8 +180,9 @@ def file_label(path: Path) -> str:
 
 def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
     """(label used in file names, where it came from, [{'problem', 'answer'}])."""
-    if name in GENERATED:  # the held-out split of a task made here (tiny, words), always the same problems
-        return name, f"tasks.{GENERATED[name].__name__}('test')", load_problems(name, "test", limit=args.limit)
+    if name in GENERATED:  # the held-out split of a task made here (tiny, words), always the same
+        problems = load_problems(name, "test", limit=args.eval_n)
+        return name, f"tasks.{GENERATED[name].__name__}('test')", problems
     import datasets  # heavy, so only imported once a hub or file data set is asked for
 
     datasets.disable_progress_bars()  # benchmarks are small; the bars would only clutter stderr
@@ -186,13 +203,13 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
         if not rows:
             raise UserError(f"benchmark {name!r} ({b.hub_id}) has no rows with a problem and an "
                             f"answer")
-        if args.limit is not None and args.limit < len(rows):
-            rows = random.Random(SUBSET_SEED).sample(rows, args.limit)
+        if args.eval_n is not None and args.eval_n < len(rows):
+            rows = random.Random(SUBSET_SEED).sample(rows, args.eval_n)
         return name, f"{b.hub_id} ({b.split})", rows
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".json", ".parquet") or "/" in name:  # a file or a hub id
         rows = load_problems(name, args.split, args.problem_column, args.answer_column,
-                             limit=args.limit, seed=SUBSET_SEED)
+                             limit=args.eval_n, seed=SUBSET_SEED)
         if path.suffix:
             return file_label(path), str(path.resolve()), rows
         return f"{safe(name.replace('/', '__'))}-{safe(args.split)}", f"{name} ({args.split})", rows
@@ -221,22 +238,23 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     adapter = Path(path) / "adapter_config.json"  # a LoRA checkpoint: its base, plus its adapters
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else path
+    base = (json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file()
+            else path)
+    for folder in dict.fromkeys([path, base]):  # weights cut short: one line naming the file
+        damage = damaged_weights(Path(folder)) if Path(folder).is_dir() else None
+        if damage:
+            raise UserError(f"cannot load model {path!r}: {damage}")
     try:
         tok = AutoTokenizer.from_pretrained(path, padding_side="left",
                                             trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:  # missing folder, unknown hub id, offline, remote code
+    except Exception as e:  # missing folder, unknown hub id, offline, remote code, a bad file
         hint = " (the bundled tiny model is not built yet?)" if Path(path) == TINY_MODEL_DIR else ""
         hint += f" (the base model of its LoRA adapters, {base!r})" if adapter.is_file() else ""
         raise UserError(f"cannot load model {path!r}{hint}: {first_line(e)}") from None
     if adapter.is_file():
-        try:
-            from peft import PeftModel
-        except ImportError:
-            raise UserError(f"{path} holds LoRA adapters, which need peft: pip install peft") from None
-        model = PeftModel.from_pretrained(model, path).merge_and_unload()  # merged: generates at full speed
+        model = load_adapters(model, path, base)
     # generate() fills every field its GenerationConfig leaves unset (None) from
     # model.generation_config, i.e. from the model's generation_config.json, which may ask for
     # sampling, top_k, top_p, a repetition penalty... Keep only its special-token ids, so decoding
@@ -253,9 +271,50 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
     return model.to(device).eval(), tok
 
 
+def load_adapters(model, path: str, base: str):
+    """The base model with the LoRA adapters in `path`, merged (it generates at full speed). The
+    adapters must fit it exactly: PEFT refuses other shapes in a traceback, and loads adapters
+    for other layers (a model with more or fewer layers) with no more than a warning."""
+    try:
+        from peft import PeftModel, get_peft_model_state_dict
+    except ImportError:
+        raise UserError(f"{path} holds LoRA adapters, which need peft: pip install peft") from None
+    from safetensors import safe_open
+
+    def misfit(why: str) -> UserError:
+        return UserError(f"the LoRA adapters in {path} do not fit the model in {base}, the base "
+                         f"folder they name ({why}): is it still the model they were trained "
+                         f"from?")
+
+    try:
+        model = PeftModel.from_pretrained(model, path)
+    except Exception as e:  # another architecture or other shapes
+        mismatch = re.search(r"size mismatch for (\S+): copying a param with shape (.+?) from "
+                             r"checkpoint, the shape in current model is (.+?)\.?$", str(e), re.M)
+        if mismatch is None:
+            raise misfit(first_line(e)) from None
+        name, saved, here = (re.sub(r"torch\.Size\((.*)\)", r"\1", x) for x in mismatch.groups())
+        raise misfit(f"{name.removeprefix('base_model.model.')} is {saved} in the adapters, "
+                     f"{here} in the model") from None
+    weights = Path(path) / "adapter_model.safetensors"
+    if weights.is_file():  # the same shapes, but adapters for other layers than the model's
+        with safe_open(str(weights), "pt") as f:
+            saved = set(f.keys())
+        places = set(get_peft_model_state_dict(model))
+        extra, missing = sorted(saved - places), sorted(places - saved)
+        if extra:
+            raise misfit(f"{len(extra)} of their weights have no place in it, e.g. "
+                         f"{extra[0].removeprefix('base_model.model.')}")
+        if missing:
+            raise misfit(f"{len(missing)} of its adapter weights have none saved, e.g. "
+                         f"{missing[0].removeprefix('base_model.model.')}")
+    return model.merge_and_unload()
+
+
 def stop_token_ids(tok, model) -> list[int]:
     """Every id that ends a completion, as the training scripts stop on them (grpo.eos_token_ids):
-    Qwen2.5-Math ends text with <|endoftext|> and chat turns with <|im_end|>, and may emit either."""
+    Qwen2.5-Math ends text with <|endoftext|> and chat turns with <|im_end|>, and may emit
+    either."""
     ids = eos_token_ids(model, tok)
     if not ids:
         raise UserError("the model's tokenizer and generation config name no EOS token")
@@ -271,7 +330,8 @@ def generate(model, tok, prompt_ids: list[list[int]], stop_ids: list[int]):
     ids = out[:, enc["input_ids"].shape[1]:]  # [b, T]
     # Cut at the first EOS by position: after it come pad ids, which may equal EOS.
     mask = completion_mask(ids, stop_ids)  # [b, T]
-    truncated = ~torch.isin(ids, torch.tensor(stop_ids, device=ids.device)).any(1)  # no EOS in budget
+    stops = torch.tensor(stop_ids, device=ids.device)
+    truncated = ~torch.isin(ids, stops).any(1)  # no EOS within the budget
     return list(zip(decode_completions(tok, ids, mask), mask.sum(1).tolist(), truncated.tolist()))
 
 
@@ -397,14 +457,15 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
         "n_samples": len(rows), "metrics": None, "decoding": decoding,
         "answer_extraction": settings["answer_extraction"], "grader": settings["grader"],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "limit": args.limit, "elapsed_s": None,
+        "git_commit": git_commit(), "limit": args.eval_n, "elapsed_s": None,
         "samples_file": str(samples_path),
     }
     # The settings reach the disk before any sample does, so that a --resume after a crash can
     # check it continues the same evaluation.
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
-    with open(samples_path, "w") as f:  # rewritten: only the rows that still count stay
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with harness.writing(result_path.name, result_path.parent):
+        result_path.write_text(json.dumps(result, indent=2) + "\n")
+        with open(samples_path, "w") as f:  # rewritten: only the rows that still count stay
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     done = {(r["idx"], r["sample"]) for r in rows}
     todo = [(i, s) for i in range(len(problems)) for s in range(args.n) if (i, s) not in done]
     if rows:
@@ -417,16 +478,16 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
     t0, n_tokens, n_correct = time.time(), 0, 0
     bar = tqdm(total=len(todo), desc=label, dynamic_ncols=True)
     with open(samples_path, "a") as f:
-        for start in range(0, len(todo), args.batch_size):
-            batch = todo[start:start + args.batch_size]
+        for start in range(0, len(todo), args.gen_batch_size):
+            batch = todo[start:start + args.gen_batch_size]
             try:
                 outs = generate(model, tok, [prompt_ids[i] for i, _ in batch],
                                 decoding["stop_token_ids"])
             except torch.OutOfMemoryError:
                 bar.close()
-                raise UserError(f"out of memory generating {label} with --batch-size "
-                                f"{args.batch_size} and --max-new-tokens "
-                                f"{decoding['max_new_tokens']}; lower --batch-size and add "
+                raise UserError(f"out of memory generating {label} with --gen-batch-size "
+                                f"{args.gen_batch_size} and --max-new-tokens "
+                                f"{decoding['max_new_tokens']}; lower --gen-batch-size and add "
                                 f"--resume to keep the {len(rows)} samples done") from None
             for (i, s), (text, n_tok, truncated) in zip(batch, outs):
                 g = grade(text, problems[i]["answer"], extraction=args.answer_extraction)
@@ -435,9 +496,10 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
                        "parsed": g.parsed, "correct": g.correct, "tokens": n_tok,
                        "truncated": truncated}
                 rows.append(row)
-                f.write(json.dumps(row) + "\n")
                 n_tokens, n_correct = n_tokens + n_tok, n_correct + g.correct
-            f.flush()  # a crash loses at most one batch; --resume picks up from here
+            with harness.writing(samples_path.name, samples_path.parent):
+                f.writelines(json.dumps(r) + "\n" for r in rows[-len(batch):])
+                f.flush()  # a crash loses at most one batch; --resume picks up from here
             bar.update(len(batch))
             bar.set_postfix(acc=f"{n_correct / (start + len(batch)):.3f}",
                             tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
@@ -447,7 +509,8 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
                   metrics=compute_metrics(rows, len(problems), args.n, settings["ks"],
                                           decoding["greedy"]),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    with harness.writing(result_path.name, result_path.parent):
+        result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -465,6 +528,18 @@ def model_label(model_arg: str, model_path: str) -> str:
     return model_path.rstrip("/").split("/")[-1]
 
 
+@functools.lru_cache(maxsize=None)
+def git_commit() -> str | None:
+    """The commit of this code, recorded with the results (read from .git, no git needed)."""
+    try:
+        head = (ROOT / ".git" / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            return (ROOT / ".git" / head[5:]).read_text().strip()[:12]
+        return head[:12]
+    except OSError:
+        return None
+
+
 def model_id(model_path: str) -> str:
     """The model as the results record it: a local folder resolved to its full path (the same
     checkpoint given as a relative path, or as 'tiny', is the same model), else the hub id."""
@@ -472,9 +547,25 @@ def model_id(model_path: str) -> str:
     return str(p.resolve()) if p.exists() else model_path
 
 
+def check_writable(out_dir: Path) -> None:
+    """Can results be written in out_dir, or can it be made? Asked before any work: an output
+    folder that cannot be written would otherwise fail only once the model has generated."""
+    here = out_dir
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:
+        if not here.is_dir():
+            raise NotADirectoryError(f"{here} is a file")
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as e:
+        verb = "write in" if here == out_dir else "create"
+        why = e.strerror or first_line(e)  # not the probe's file name
+        raise UserError(f"cannot {verb} --output-dir {out_dir}: {why}") from None
+
+
 def evaluate(args: Args) -> list[dict]:
     model_path = resolve_model_name(args.model)
-    check_model_folder(model_path)  # a config and tokenizer files, before any benchmark loads
     tiny = is_tiny(model_path)
     names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",")
              if b.strip()]
@@ -485,20 +576,29 @@ def evaluate(args: Args) -> list[dict]:
         ks = sorted({int(k) for k in args.pass_k.split(",") if k.strip()})
     except ValueError:
         raise UserError(f"--pass-k must be comma-separated integers, got {args.pass_k!r}") from None
-    if template not in TEMPLATES or not names:
-        raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}"
-                        if names else f"--benchmarks is empty; known: {KNOWN}")
-    if min(args.n, args.batch_size, max_new, *ks, 1 if args.limit is None else args.limit) < 1:
-        raise UserError("--n, --batch-size, --max-new-tokens, --limit and --pass-k values must be "
-                        ">= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if greedy and args.n > 1:
-        raise UserError("--n > 1 with greedy decoding gives n identical samples; set "
-                        "--temperature > 0")
-    if args.answer_extraction not in ("boxed", "math_verify"):  # the CLI checks; evaluate(Args())
-        raise UserError(f"unknown --answer-extraction {args.answer_extraction!r}; use boxed or "
-                        f"math_verify")
+    # Every flag is checked before anything loads, as in the training scripts: each float flag
+    # for finiteness (--temperature nan would pass `< 0`), then for its range.
+    common.check_finite(args)
+    counts = (args.n, args.gen_batch_size, max_new, *ks, 1 if args.eval_n is None else args.eval_n)
+    for message, ok in {
+        f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}":
+            template in TEMPLATES,
+        f"--benchmarks is empty; known: {KNOWN}": bool(names),
+        "--n, --gen-batch-size, --max-new-tokens, --eval-n and --pass-k values must be >= 1":
+            min(counts) >= 1,
+        f"--temperature must be >= 0, not {args.temperature}": args.temperature >= 0,
+        f"--top-p must be in (0, 1], not {args.top_p}": 0 < args.top_p <= 1,
+        "--n > 1 with greedy decoding gives n identical samples; set --temperature > 0":
+            not (greedy and args.n > 1),
+        f"--answer-extraction must be one of {', '.join(common.ANSWER_EXTRACTIONS)}, not "
+        f"{args.answer_extraction!r}": args.answer_extraction in common.ANSWER_EXTRACTIONS,
+    }.items():
+        if not ok:
+            raise UserError(message)
+    check_model_folder(model_path)  # a config and tokenizer files, before any benchmark loads
+    out_dir = (Path(args.output_dir) if args.output_dir
+               else Path("runs/eval") / model_label(args.model, model_path))
+    check_writable(out_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     settings = {"model": model_id(model_path), "ks": ks,
@@ -506,7 +606,7 @@ def evaluate(args: Args) -> list[dict]:
                 "grader": f"math-verify {version('math-verify')}", "decoding": {
                     "greedy": greedy, "n": args.n, "temperature": args.temperature,
                     "top_p": args.top_p, "top_k": None if greedy else 0, "max_new_tokens": max_new,
-                    "template": template, "seed": args.seed, "batch_size": args.batch_size,
+                    "template": template, "seed": args.seed, "batch_size": args.gen_batch_size,
                     "dtype": str(dtype).removeprefix("torch."), "device": str(device)}}
 
     # Data before the model: a typo in a benchmark name should not cost a model load.
@@ -515,8 +615,6 @@ def evaluate(args: Args) -> list[dict]:
     twice = next((label for label in labels if labels.count(label) > 1), None)
     if twice is not None:
         raise UserError(f"--benchmarks names {twice} twice")
-    out_dir = (Path(args.output_dir) if args.output_dir
-               else Path("runs/eval") / model_label(args.model, model_path))
     tag = "greedy" if greedy else f"n{args.n}-t{args.temperature:g}-p{args.top_p:g}"
     if args.resume:  # all benchmarks are checked before the first one generates, not an hour in
         for label in labels:
@@ -569,7 +667,8 @@ def evaluate(args: Args) -> list[dict]:
                for (label, source, problems), ids in zip(benches, all_ids)]
 
     table = markdown_table(results)
-    (out_dir / f"results.{tag}.md").write_text(table + "\n")
+    with harness.writing(f"results.{tag}.md", out_dir):
+        (out_dir / f"results.{tag}.md").write_text(table + "\n")
     print(f"\n{model_path} ({tag}, answer extraction {args.answer_extraction}, grader "
           f"{settings['grader']})\n\n{table}")
     return results
@@ -582,11 +681,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
+    with harness.user_errors():  # as the training scripts: a UserError is one line, exit 2
         evaluate(args)
-    except UserError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
-        return 2
     return 0
 
 

@@ -1,15 +1,13 @@
 """The run harness: everything about a training run that is not RL, behind a few calls.
-
     run = Run(args, "grpo", resolve_args)     # folder, lock, --resume, seeding, signals, logging
     start = run.attach(models=..., tokenizer=..., state=...)  # what a checkpoint holds
     for step in run.steps(start): ...; run.end_step(step, metrics)  # log, bar, save, stop
     return run.finish()                        # summary.json and the closing lines
 
 A reader of an algorithm script never needs this file to see what is learned. It keeps the
-promises of the README: a run folder is locked while a run writes it; a run is never lost
-(checkpoints are written to a temporary folder, fsynced, renamed into place, then pointed to by
-`latest`; Ctrl-C / SIGTERM finish the step and save); --resume is exact; and every failure the
-user can cause or meet (a changed flag on --resume, a full disk) is one line, not a traceback.
+README's promises: a run folder is locked while a run writes it; a run is never lost (whole
+checkpoints, renamed into place, then pointed to by `latest`; Ctrl-C / SIGTERM finish the step
+and save); --resume is exact; every failure a user can meet is one line, not a traceback.
 """
 
 from __future__ import annotations
@@ -19,40 +17,32 @@ import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import socket
 import sys
 import threading
 import time
-from html import escape
 from pathlib import Path
 
 import torch
 
-from common import UserError, first_line, reduce_stats, resolve_device, seed_everything, warn
+import tasks
+from tqdm import tqdm
+
+from common import (RESUMABLE, UserError, changed_flags, first_line, reduce_stats,
+                    resolve_device, rng_state, seed_everything, set_rng_state, token_html, warn)
 
 # Callables (run, step, metrics) called after every step is logged and before it is saved;
 # tools/bench.py times the scripts' own steps through it. Empty in a normal run.
 STEP_HOOKS: list = []
-# Callables (run, where, tensors) -> dict | None, called by Run.observe from inside a step (after
-# the advantages: "rollout"; per micro-batch of the update: "update"); what they return is averaged
-# into that step's metrics. tools/diagnostics.py logs the studies' diagnostics through it; empty in
-# a normal run, where observe costs nothing.
+# Callables (run, where, tensors) -> dict | None that Run.observe calls within a step ("rollout",
+# "update"); their figures join the step's metrics. tools/diagnostics.py's; empty in a normal run.
 OBSERVERS: list = []
-# The flags a --resume may change, because they do not change what is learned.
-RESUMABLE = ("steps", "device", "save_every", "keep_checkpoints", "sample_every", "tensorboard", "resume")
-BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent", "completion_len": "len",
-               "tokens_per_s": "tok/s"}
+BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent",
+               "completion_len": "len", "tokens_per_s": "tok/s"}
 STALL_STEPS = 5  # steps in a row with (almost) no learning signal before a warning
 _ACTIVE_RUNS: list = []
-
-
-def _say(msg: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(msg)
 
 
 # =====================================================================================
@@ -60,7 +50,6 @@ def _say(msg: str) -> None:
 # =====================================================================================
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
-
 
 @contextlib.contextmanager
 def writing(what: str, where: Path, need: int = 0, kept: str = ""):
@@ -94,7 +83,7 @@ def write_text(path: Path, text: str, what: str | None = None) -> None:
 # Logging
 # =====================================================================================
 def _json_value(v):
-    """Strict JSON, and no rounding to 0: floats keep 6 significant digits; NaN and inf become null."""
+    """Strict JSON, no rounding to 0: floats keep 6 significant digits; NaN and inf are null."""
     if isinstance(v, float):
         return float(f"{v:.6g}") if math.isfinite(v) else None
     return v
@@ -117,7 +106,8 @@ class RunLogger:
                 self.tb = None
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, "time": round(time.time(), 3), **{k: _json_value(v) for k, v in metrics.items()}}
+        row = {"step": step, "time": round(time.time(), 3),
+               **{k: _json_value(v) for k, v in metrics.items()}}
         with writing(f"step {step} to metrics.jsonl", self.run_dir):
             self.file.write(json.dumps(row, allow_nan=False) + "\n")
             self.file.flush()
@@ -127,7 +117,7 @@ class RunLogger:
                     self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):  # a full disk may refuse the last flush: already reported
+        with contextlib.suppress(OSError):  # a full disk may refuse the last flush: reported
             self.file.close()
         if self.tb is not None:
             self.tb.close()
@@ -141,20 +131,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # =====================================================================================
 # Checkpoints: written to a temporary folder, renamed into place, then pointed to
 # =====================================================================================
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _fsync(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -174,8 +150,9 @@ def _step_of(path: Path) -> int:
 
 
 def _bytes(obj) -> int:
-    """Bytes of the tensors in a model, or in a (nested) state dict."""
-    if isinstance(obj, torch.nn.Module):  # what save_pretrained writes: the trained weights (LoRA: the adapters)
+    """Bytes of the tensors in a model (what save_pretrained writes: the trained weights, under
+    LoRA the adapters), or in a (nested) state dict."""
+    if isinstance(obj, torch.nn.Module):
         trained = [p for p in obj.parameters() if p.requires_grad] or list(obj.parameters())
         return sum(p.numel() * p.element_size() for p in trained)
     if isinstance(obj, torch.Tensor):
@@ -200,14 +177,16 @@ def save_checkpoint(run_dir: Path, step: int, models: dict, tokenizer, trainer_s
     shutil.rmtree(tmp, ignore_errors=True)
     need = sum(_bytes(m) for m in models.values()) + _bytes(optimizer_state) + (1 << 20)
     try:
-        with writing(f"checkpoint-{step}", run_dir, need, kept="; the previous checkpoint and 'latest' are kept"):
+        with writing(f"checkpoint-{step}", run_dir, need,
+                     kept="; the previous checkpoint and 'latest' are kept"):
             tmp.mkdir(parents=True)
             for name, model in models.items():
                 model.save_pretrained(tmp / name, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             if optimizer_state is not None:
                 torch.save(optimizer_state, tmp / "optimizer.pt")
-            torch.save(trainer_state, tmp / "trainer_state.pt")  # written last: its presence marks a whole folder
+            # written last: its presence marks a whole folder
+            torch.save(trainer_state, tmp / "trainer_state.pt")
             for f in tmp.rglob("*"):
                 if f.is_file():
                     with open(f, "rb") as fh:
@@ -294,11 +273,12 @@ def lock_run_folder(run_dir: Path):
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise UserError(f"run folder {str(run_dir)!r} is in use by {holder}; wait for it to end or stop "
-                        f"it, or give another --run-name") from None
+        raise UserError(f"run folder {str(run_dir)!r} is in use by {holder}; wait for it to end or "
+                        f"stop it, or give another --run-name") from None
     f.seek(0)
     f.truncate()
-    f.write(f"process {os.getpid()} on {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+    f.write(f"process {os.getpid()} on {socket.gethostname()} (since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
     f.flush()
     return f
 
@@ -306,7 +286,8 @@ def lock_run_folder(run_dir: Path):
 def run_folder_of(resume: str) -> Path:
     """The run folder a --resume path belongs to: itself, or the parent of a checkpoint-N folder."""
     path = Path(resume)
-    return path.parent if (path / "trainer_state.pt").is_file() and not (path / "latest").is_file() else path
+    is_checkpoint = (path / "trainer_state.pt").is_file() and not (path / "latest").is_file()
+    return path.parent if is_checkpoint else path
 
 
 def started(run_dir: Path) -> bool:
@@ -317,13 +298,18 @@ def started(run_dir: Path) -> bool:
             or any(run_dir.glob("checkpoint-*")))
 
 
-def changed_flags(args, saved, defaults) -> list[str]:
-    """The flags given on a --resume (different from their defaults) that differ from the saved run's."""
-    def flag(k):
-        return "--" + k.replace("_", "-")
-    return [f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
-            for k in (f.name for f in dataclasses.fields(args)) if k not in RESUMABLE
-            and getattr(args, k) != getattr(defaults, k) and getattr(args, k) != getattr(saved, k)]
+def whole_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint folders, newest first."""
+    whole = [p for p in Path(run_dir).glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
+    return sorted(whole, key=_step_of, reverse=True)
+
+
+def unsaved(path: Path) -> bool:
+    """A run folder whose run stopped before its first checkpoint (killed, or a crash): its
+    arguments are saved (args.json) but no checkpoint is. --resume starts it again from step 0."""
+    path = Path(path)
+    return ((path / "args.json").is_file() and not (path / "latest").exists()
+            and not whole_checkpoints(path))
 
 
 # =====================================================================================
@@ -332,9 +318,11 @@ def changed_flags(args, saved, defaults) -> list[str]:
 class Run:
     """A new run refuses an existing folder; --resume DIR continues in DIR itself with the saved
     arguments (a flag that would change them is an error; RESUMABLE ones may change), cuts
-    metrics.jsonl back to the checkpoint's step, and cleans what a kill left behind. The folder
-    is locked for the life of the run. The first Ctrl-C or SIGTERM finishes the step, saves,
-    and exits (130 / 143); a second Ctrl-C stops at once."""
+    metrics.jsonl back to the checkpoint's step, and cleans what a kill left behind; a run that
+    stopped before its first checkpoint starts again from step 0, and one already at --steps
+    trains nothing and says so (exit 0). The folder is locked for the life of the run. The
+    first Ctrl-C or SIGTERM finishes the step, saves, and exits (130 / 143); a second Ctrl-C
+    stops at once."""
 
     def __init__(self, args, algo: str, resolve):
         self.algo, self.ckpt, self.state, self.lock = algo, None, None, None
@@ -348,41 +336,69 @@ class Run:
 
     def _open(self, args, resolve) -> None:
         algo = self.algo
+        restart = False  # --resume of a run that stopped before its first checkpoint
         if args.resume:
             self.dir = run_folder_of(args.resume)
             if self.dir.is_dir():
                 self.lock = lock_run_folder(self.dir)  # before reading: another run may be pruning
-            self.ckpt = find_checkpoint(args.resume)
-            self.state = load_trainer_state(self.ckpt)
+                clean_leftovers(self.dir)  # what a kill while saving left behind
+            restart = unsaved(Path(args.resume))
+            if restart:
+                where = Path(args.resume)
+                try:
+                    saved = json.loads((where / "args.json").read_text())
+                except (OSError, ValueError):
+                    raise UserError(f"{where / 'args.json'} is unreadable") from None
+            else:
+                self.ckpt = where = find_checkpoint(args.resume)
+                self.state = load_trainer_state(self.ckpt)
+                self._check_weights()
+                saved = self.state.get("args")
             try:
-                saved = type(args)(**self.state["args"])
-            except (TypeError, KeyError):
-                raise UserError(f"checkpoint {str(self.ckpt)!r} was not written by {algo}.py "
-                                f"(its arguments differ)") from None
+                saved = type(args)(**saved)
+            except TypeError:
+                what = "run folder" if restart else "checkpoint"
+                raise UserError(f"{what} {str(where)!r} was not written by {algo}.py (its "
+                                f"arguments differ)") from None
             changed = changed_flags(args, saved, type(args)())
             if changed:
-                raise UserError(f"--resume keeps the run's arguments, but {'; '.join(changed)}: only "
-                                f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[:-1])} may "
-                                f"change; start a new run to change the others")
+                raise UserError(f"--resume keeps the run's arguments, but {'; '.join(changed)}: "
+                                f"only "
+                                f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[:-1])} "
+                                f"may change; start a new run to change the others")
             for k in RESUMABLE:
                 if getattr(args, k) != getattr(type(args)(), k):
                     setattr(saved, k, getattr(args, k))
-            self.dir = self.ckpt.parent  # resume writes where it was pointed, even in a copied run
+            self.dir = where if restart else self.ckpt.parent  # where it was pointed, even a copy
             saved.output_dir, saved.run_name = str(self.dir.parent), self.dir.name
             args = saved
         self.args = args = resolve(args)
         self.device = resolve_device(args.device)
-        if self.ckpt is None:
+        if self.state is not None and args.steps <= self.state["step"]:
+            print(f"nothing to train: {self.ckpt} is at step {self.state['step']} already, and "
+                  f"--steps is {args.steps}; give a larger --steps to train further")
+            raise SystemExit(0)
+        if self.ckpt is None and not restart:
             self.dir = Path(args.output_dir) / args.run_name
-            with writing("the run folder", self.dir.parent if self.dir.parent.exists() else Path.cwd()):
+            with writing("the run folder", self.dir.parent
+                         if self.dir.parent.exists() else Path.cwd()):
                 self.dir.mkdir(parents=True, exist_ok=True)
             self.lock = lock_run_folder(self.dir)
+            if started(self.dir) and unsaved(self.dir):
+                raise UserError(f"run folder {str(self.dir)!r} already exists, but its run stopped "
+                                f"before its first checkpoint: start it again from step 0, with "
+                                f"its saved arguments, with --resume {self.dir}; or pick another "
+                                f"--run-name")
             if started(self.dir):
                 raise UserError(f"run folder {str(self.dir)!r} already exists: continue it with "
                                 f"--resume {self.dir}, or pick another --run-name")
             write_text(self.dir / "args.json", json.dumps(dataclasses.asdict(args), indent=2))
+        elif restart:
+            print(f"{self.dir} has no checkpoint (its run stopped before the first): starting it "
+                  f"again from step 0 with its saved arguments")
+            self._cut_metrics(-1)  # the steps logged before the stop are run again
+            write_text(self.dir / "args.json", json.dumps(dataclasses.asdict(args), indent=2))
         else:
-            clean_leftovers(self.dir)
             self._cut_metrics(self.state["step"])
         seed_everything(args.seed)
         self.logger = RunLogger(self.dir, args.tensorboard)
@@ -392,6 +408,20 @@ class Run:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     # --- resume ---------------------------------------------------------------------
+    def _check_weights(self) -> None:
+        """A checkpoint whose weights file is cut short is one line naming the file, and the
+        newest earlier checkpoint of the run whose files are whole, to resume from instead."""
+        damage = tasks.damaged_weights(self.ckpt, recursive=True)
+        if damage is None:
+            return
+        step = _step_of(self.ckpt)
+        earlier = [p for p in whole_checkpoints(self.ckpt.parent) if _step_of(p) < step]
+        intact = next((p for p in earlier if tasks.damaged_weights(p, recursive=True) is None),
+                      None)
+        then = (f"the previous checkpoint, {intact}, is intact: continue from it with --resume "
+                f"{intact}" if intact else "no earlier checkpoint of this run is intact")
+        raise UserError(f"cannot resume from {self.ckpt}: {damage}; {then}")
+
     def weights(self, name: str = "", default: str | None = None) -> str:
         """Where to load model `name` from: the checkpoint being resumed, else `default`."""
         if self.ckpt is not None:
@@ -411,8 +441,8 @@ class Run:
             if "optimizer" not in k:
                 obj.load_state_dict(self.state[k])
             elif opt_state is None:
-                warn(f"{self.ckpt.name} keeps no optimizer state (only the newest checkpoint does): "
-                     f"AdamW moments start from zero")
+                warn(f"{self.ckpt.name} keeps no optimizer state (only the newest checkpoint "
+                     f"does): AdamW moments start from zero")
             else:
                 obj.load_state_dict(opt_state[k])
         set_rng_state(self.state["rng"])
@@ -423,7 +453,8 @@ class Run:
         """Rows logged after the checkpoint (a crash between saves) would be logged again."""
         path = self.dir / "metrics.jsonl"
         if path.is_file():
-            keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+            keep = [line for line in path.read_text().splitlines() if line.strip()
+                    and json.loads(line)["step"] <= step]
             write_text(path, "".join(line + "\n" for line in keep))
 
     # --- the loop ---------------------------------------------------------------------
@@ -432,11 +463,9 @@ class Run:
             raise KeyboardInterrupt
         self.stop_signal = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        _say(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+        tqdm.write(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
 
     def steps(self, start: int):
-        from tqdm import tqdm
-
         self.bar = tqdm(range(start + 1, self.args.steps + 1), initial=start, total=self.args.steps,
                         desc=self.algo, dynamic_ncols=True)
         return self.bar
@@ -444,7 +473,7 @@ class Run:
     def log(self, step: int, metrics: dict) -> None:
         self.logger.log(step, metrics)
         if "eval/greedy_acc" in metrics:
-            _say(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
+            tqdm.write(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
                  f"sampled acc {metrics['eval/sampled_acc']:.3f}")
 
     def observe(self, where: str, **tensors) -> None:
@@ -460,21 +489,23 @@ class Run:
 
     def end_step(self, step: int, metrics: dict) -> None:
         """Log the step, update the bar, warn if nothing can be learned, save when due or asked."""
-        if self.observed:  # the observers' figures, averaged over the step as the scripts' own stats
+        if self.observed:  # the observers' figures, averaged over the step as the scripts' stats
             metrics = {**metrics, **reduce_stats(self.observed)}
             self.observed = []
         self.log(step, metrics)
         self.last_metrics = metrics
         if self.bar is not None:
-            self.bar.set_postfix({short: f"{metrics[k]:.3g}" if abs(metrics[k]) < 1000 else f"{metrics[k]:.0f}"
-                                  for k, short in BAR_FIGURES.items() if k in metrics})
+            shown = {s: metrics[k] for k, s in BAR_FIGURES.items() if k in metrics}
+            self.bar.set_postfix({s: f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+                                  for s, v in shown.items()})
         self._check_signal(metrics)
         for hook in STEP_HOOKS:
             hook(self, step, metrics)
         if step % self.args.save_every == 0 or step == self.args.steps or self.stop_signal:
             path = self.save(step)
             if self.stop_signal:
-                _say(f"stopped: saved {path}; continue with: python {self.algo}.py --resume {self.dir}")
+                tqdm.write(f"stopped: saved {path}; continue with: python {self.algo}.py --resume "
+                     f"{self.dir}")
                 raise SystemExit(130 if self.stop_signal == signal.SIGINT else 143)
 
     def _check_signal(self, m: dict) -> None:
@@ -482,22 +513,23 @@ class Run:
         silent = m.get("unparsable_frac", 0) >= 0.9 or m.get("zero_std_frac", 0) >= 0.9
         self._stalled = self._stalled + 1 if silent else 0
         if self._stalled == STALL_STEPS:
-            warn(f"{STALL_STEPS} steps in a row with almost no learning signal "
-                 f"({m.get('unparsable_frac', 0):.0%} of completions had no parsable answer, "
+            warn(f"{STALL_STEPS} steps in a row with almost no learning signal ("
+                 f"{m.get('unparsable_frac', 0):.0%} of completions had no parsable answer, "
                  f"{m.get('zero_std_frac', 0):.0%} of groups had equal rewards, "
-                 f"{m.get('truncated_frac', 0):.0%} were cut off). Likely causes: the model does "
-                 f"not put its answer in \\boxed{{}} (check --template, or use --answer-extraction "
-                 f"math_verify), completions are cut off (raise --max-new-tokens), or the task is "
-                 f"far too hard or too easy for the model")
+                 f"{m.get('truncated_frac', 0):.0%} were cut off). Likely: the answer is not in "
+                 f"\\boxed{{}} (check --template, or --answer-extraction math_verify), completions "
+                 f"are cut off (raise --max-new-tokens), or the task is too hard or too easy")
 
     def save(self, step: int) -> Path:
         for name, model in self.models.items():
             if not all(torch.isfinite(p).all() for p in model.parameters()):
-                raise UserError(f"the weights of {name or 'the policy'} are not finite at step {step}; "
-                                f"not saved (the last good checkpoint is kept in {self.dir})")
+                raise UserError(f"the weights of {name or 'the policy'} are not finite at step "
+                                f"{step}; not saved (the last good checkpoint is kept in "
+                                f"{self.dir})")
         small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
         big = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" in k}
-        trainer_state = {"step": step, "rng": rng_state(), "args": dataclasses.asdict(self.args), **small}
+        trainer_state = {"step": step, "rng": rng_state(), "args": dataclasses.asdict(self.args),
+                         **small}
         return save_checkpoint(self.dir, step, self.models, self.tokenizer, trainer_state, big,
                                self.args.keep_checkpoints)
 
@@ -507,13 +539,13 @@ class Run:
         algorithm's per-token quantities (a menu switches between them), every value on hover."""
         rows = []
         for b in range(min(k, len(batch["texts"]))):
-            n = int(batch["mask"][b].sum())
-            header = f"reward {float(rewards[b]):+.3f}"
-            if advantages.dim() == 1:
-                header += f"   advantage {float(advantages[b]):+.3f}"
+            n, ids = int(batch["mask"][b].sum()), batch["completion_ids"][b].tolist()
+            header = f"reward {float(rewards[b]):+.3f}" + (
+                f"   advantage {float(advantages[b]):+.3f}" if advantages.dim() == 1 else "")
             rows.append({"header": header, "prompt": batch["prompts"][b],
-                         "tokens": [tokenizer.decode([i]) for i in batch["completion_ids"][b, :n].tolist()],
-                         "values": {name: [float(x) for x in v[b, :n].tolist()] for name, v in per_token.items()}})
+                         "tokens": [tokenizer.decode([i]) for i in ids[:n]],
+                         "values": {q: [float(x) for x in v[b, :n].tolist()]
+                                    for q, v in per_token.items()}})
         path = self.dir / "samples" / f"step-{step}.html"
         with writing(path.name, path.parent.parent):
             path.parent.mkdir(exist_ok=True)
@@ -529,13 +561,15 @@ class Run:
             summary["first_eval"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
             summary["last_eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
         if self.last_metrics:
-            summary["last_step"] = {k: _json_value(v) for k, v in self.last_metrics.items() if isinstance(v, float)}
+            summary["last_step"] = {k: _json_value(v) for k, v in self.last_metrics.items()
+                                    if isinstance(v, float)}
         write_text(self.dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
         print(f"\ndone: {self.args.steps} steps, run folder {self.dir}")
         if evals:
             f, last = evals[0], evals[-1]
-            print(f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> {last['eval/greedy_acc']:.3f}   "
-                  f"sampled {f['eval/sampled_acc']:.3f} -> {last['eval/sampled_acc']:.3f}")
+            print(f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> "
+                  f"{last['eval/greedy_acc']:.3f}   sampled {f['eval/sampled_acc']:.3f} -> "
+                  f"{last['eval/sampled_acc']:.3f}")
         return summary
 
     def close(self) -> None:
@@ -559,49 +593,8 @@ def user_errors():
     try:
         yield
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
         raise SystemExit(2) from None
     finally:
         for run in list(_ACTIVE_RUNS):
             run.close()
-
-
-# =====================================================================================
-# Per-token HTML samples: one self-contained file, no network
-# =====================================================================================
-def _colour(v: float, lo: float, hi: float) -> str:
-    """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
-    if lo < 0 < hi:
-        s = v / max(abs(lo), abs(hi)) if v else 0.0
-        r, g, b = (255, int(255 * (1 - s)), int(255 * (1 - s))) if s > 0 else (int(255 * (1 + s)),) * 2 + (255,)
-    else:
-        s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
-        r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
-    return f"rgb({r},{g},{b})"
-
-
-def token_html(title: str, rows: list[dict]) -> str:
-    """rows: {"header", "prompt", "tokens": [str], "values": {name: [float per token]}}. Each
-    token is a <span class="tok"> with data-<name> colours and a title listing every value."""
-    names = list(rows[0]["values"]) if rows else []
-    every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
-    ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
-    out = [f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
-           "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
-           ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
-           ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
-           f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
-           *[f"<option>{escape(n)}</option>" for n in names], "</select> (hover a token for every value)</p>"]
-    for r in rows:
-        out.append(f"<div class='sample'><b>{escape(r['header'])}</b>"
-                   f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>")
-        for t, tok in enumerate(r["tokens"]):
-            vals = {n: r["values"][n][t] for n in names}
-            data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
-            tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
-            out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
-        out.append("</div></div>")
-    out.append("<script>function paint(){var q=document.getElementById('q').value;"
-               "document.querySelectorAll('.tok').forEach(function(e){"
-               "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>")
-    return "\n".join(out)

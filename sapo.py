@@ -2,21 +2,21 @@
 
 Paper: Gao et al., "Segment-Aligned Policy Optimization for Multi-Modal Reasoning",
 arXiv 2605.01327, ICML 2026 (Sec. 4, Eqs. 5-13, Algorithm 1, Table 7), and the authors'
-released verl-based code. Not Qwen's "Soft Adaptive Policy Optimization", which shares the
-acronym and is a different method (a soft gate instead of the clip). The objectives of every
-script in this project, and every choice we had to make, are explained in docs/objectives.md.
+released verl-based code. Not Qwen's "Soft Adaptive Policy Optimization" (the same acronym).
+Which piece comes from the paper, which from the code, and which is our reading:
+docs/objectives.md, section 6.
 
-    python sapo.py                                # bundled tiny model + arithmetic task, CPU, ~4 min
-    python sapo.py --model Qwen2.5-Math-1.5B      # the real run: one CUDA GPU, MATH train split
-    python sapo.py --resume runs/<run-name>       # continue a stopped run exactly where it stopped
-    python eval.py --model runs/<run-name>/checkpoint-<step>   # the policy; the critic is in critic/
+    python sapo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python sapo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, MATH train split
+    python sapo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
+    python eval.py --model runs/<run-name>/checkpoint-<step>   # the policy; the critic: critic/
 
 SAPO is PPO with a critic in which the unit of credit is a reasoning segment, not a token
 (PPO) and not a whole response (GRPO). One completion is sampled per prompt (G = 1). Each
 completion is cut into segments that end at its highest-entropy tokens; a critic values the
-state before each segment; GAE runs over segments; every token of a segment gets the
-segment's advantage and the segment's importance ratio (the geometric mean of its token
-ratios). Segment m spans tokens b_m..e_m:
+state before each segment; GAE runs over segments; every token of a segment gets the segment's
+advantage and the segment's importance ratio (the geometric mean of its token ratios).
+Segment m spans tokens b_m..e_m:
 
     ends      top ceil(30% of n) entropy positions of each completion, and its last token
     r_m       -kl_coef * sum_{t in m} (old_logp_t - ref_logp_t)  (+ outcome on the last m)
@@ -26,70 +26,14 @@ ratios). Segment m spans tokens b_m..e_m:
     l_t       -min(s_m A_m, clip(s_m, 1 - eps_low, 1 + eps_high) A_m),  m = m(t)    (Eq. 9)
     l_V       0.5 max((V - R)^2, (V_clip - R)^2) at segment states                  (Eq. 10)
 
-From the paper:
-- Segments: the response is split into consecutive segments, the state s_m is the prompt
-  plus every token before segment m (Sec. 4.1, Eq. 5); segment ends are the tokens whose
-  sampling-policy entropy ranks in the top k% of the response, and the last token always
-  ends a segment (Sec. 4.2, Eq. 11); k = 30% (Fig. 5), --segment-frac.
-- GAE over segments (Eqs. 6-7), gamma = 1.0, lambda = 0.99 (Table 7); A_m is given to every
-  token of segment m.
-- Segment ratio = geometric mean of the segment's token ratios (Eq. 8), clipped surrogate
-  over tokens with the ratio and advantage of each token's segment (Eq. 9), whose gradient
-  is Eq. 13; value loss at segment states only (Eq. 10).
-- Reward: the outcome reward (1 right, 0 wrong) on the final segment (Sec. 4.1.2) and a k1
-  KL penalty in the reward with coefficient 0.001 (Table 7), --kl-coef.
-- A critic trained with its own optimizer, lr 2e-6 for a policy lr of 1e-6 (Table 7); one
-  completion per prompt, and 4 optimizer steps per rollout batch (512 prompts, mini-batches
-  of 128; Table 7).
-From the official code:
-- k = ceil(k% * n), at least 1 per non-empty completion.
-- Per-token rewards are summed over a segment to give r_m.
-- Advantages whitened over all valid tokens of the rollout batch (Bessel's correction,
-  +1e-8 under the square root), then clamped to [-5, 5] (--adv-clip).
-- Clip 0.2 / 0.28 (its run script; the paper writes a symmetric eps). Token-mean over the
-  mini-batch (Eq. 9 writes 1/T per response). Token log-ratios clamped to +-20 before the
-  segment mean; dual clip c = 3 on negative advantages.
-- Value loss 0.5 * max(unclipped, clipped), value clip 0.5 (--value-clip), averaged over
-  all segment states of the mini-batch (Eq. 10 has neither the 0.5 nor the clip and
-  averages per response).
-- The critic is the starting model with a scalar head on every position and no dropout
-  (verl's critic, on which the code builds: a token-classification model with one output).
-- --value-at end: the official code reads V(s_m) at the segment's last token (the prefix
-  before that token) and trains the critic there; the default, start, is the paper's s_m.
-- Its reward also subtracts a length penalty that the paper does not mention: left out here.
-Our reading (not stated by either):
-- Ties in entropy: the earlier position ranks first (the official code's torch.topk leaves
-  the tie order unspecified).
-- ceil(k% * n) is taken with a 1e-9 tolerance against floating-point error: 7% of 100
-  tokens is 7, where a plain ceil of 0.07 * 100 = 7.000000000000001 gives 8.
-- The segment ratio is carried to each token as sg(log s_m) + x_t - sg(x_t), x_t the
-  clamped token log-ratio: the value of Eq. 8 and, since a segment's tokens share s_m and
-  A_m, the same gradient as differentiating through Eq. 8's mean (Eq. 13; the tests check
-  both). An implementation choice, not a change of the maths.
-- The critic's new value head starts at zero weight and bias (see load_critic), where
-  transformers would draw it at random; the critic uses the policy's warm-up, gradient
-  clipping and weight decay, and steps on the same shuffled mini-batches as the policy, one
-  critic step per policy step.
-- A completion with no valid token has no segment and receives no reward.
-- With --lora-rank only the policy gets adapters; the critic stays a fully trained model (a
-  value head is new weights that LoRA cannot start from, and its regression target moves every
-  step). To save memory on one GPU, start it from a smaller model that shares the tokenizer
-  (--critic-model Qwen/Qwen2.5-0.5B: about 8 GB of weights, gradients and AdamW moments).
-- explained_variance is NaN (logged as null) when the returns have zero variance.
-- The tiny preset: 128 prompts x 1 (the other scripts' 128 completions per step), critic lr
-  2x the policy's as in the paper. The real preset: 256 prompts x 1 (grpo.py's 256
-  completions per step on one GPU; the paper's 512 ran on 8 GPUs), 4 mini-batches as the
-  paper, MATH as the other scripts (the paper trains on Geo3K images, not text).
-
-The file runs in pipeline order: arguments, model (+ the critic), data, rollouts, segments,
-reward, advantage, loss, training loop. Lines marked `# SAPO` are where it differs from
-grpo.py.
+The advantages are whitened over the rollout batch and clamped (official code). The segments
+come first, then the losses over them, then the rewards, GAE and the critic that feed them.
+Below the banner "The skeleton" the file is grpo.py's, line for line; `# SAPO:` marks the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
-                          GenerationConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
+                          AutoTokenizer, GenerationConfig)
 
 import common
 import harness
@@ -109,124 +53,43 @@ ALGO = "sapo"
 
 
 # =====================================================================================
-# Arguments
+# Arguments: SAPO's own flags (the run's, the same in every script, are common.RunArgs)
 # =====================================================================================
 @dataclass
-class Args:
-    # --- model and data ---
-    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
-    dataset: str | None = arg(None, "tiny, words, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file")
-    problem_column: str | None = arg(None, "column holding the problem (default: known, else 'problem')")
-    answer_column: str | None = arg(None, "column holding the answer (default: known, else 'answer')")
-    template: str | None = arg(None, "prompt template: qwen_math, tiny, plain or chat")
-    eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
-    answer_extraction: str | None = arg(None, "final answer: the last \\boxed{}, or math-verify's own "
-                                        "extraction from free text", choices=list(common.ANSWER_EXTRACTIONS))
-    trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
-    preset: str = arg("auto", "where unset flags take their values: tiny (the bundled model), cpu (a real model "
-                      "on a CPU), gpu (the real run on one GPU); auto picks by --model and --device",
-                      choices=["auto", *common.PRESETS])
-    # --- rollouts ---
-    prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
-    group_size: int = arg(1, "G, completions sampled per prompt (1: PPO-style, as the paper)")  # SAPO
-    max_new_tokens: int | None = arg(None, "completion length cap")
-    max_prompt_tokens: int | None = arg(None, "longer prompts are dropped (default: context - max_new_tokens)")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
-    top_p: float = arg(1.0, "nucleus sampling; keep 1.0 so log-probs describe the sampling distribution")
-    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all at once)")
-    # --- objective ---
-    clip_low: float = arg(0.2, "eps_low: the segment ratio is clipped below at 1 - eps_low")  # SAPO
+class Args(common.RunArgs):
+    clip_low: float = arg(0.2, "eps_low: the segment ratio is clipped below at 1 - eps_low")
     clip_high: float = arg(0.28, "eps_high: the segment ratio is clipped above at 1 + eps_high "
-                           "(official code; the paper writes one eps)")  # SAPO
-    kl_coef: float = arg(0.001, "coefficient of the k1 KL penalty in the segment rewards; 0 loads no "
-                         "reference model")  # SAPO
-    segment_frac: float = arg(0.3, "k: this fraction of each completion's tokens, those of highest entropy, "
-                              "end segments")  # SAPO
-    gamma: float = arg(1.0, "GAE discount over segments")  # SAPO
-    lam: float = arg(0.99, "GAE lambda over segments")  # SAPO
-    adv_clip: float = arg(5.0, "whitened advantages are clamped to [-adv_clip, adv_clip] (official code)")  # SAPO
-    # --- critic ---
-    critic_model: str | None = arg(None, "model the critic starts from (default: --model); it must "
-                                   "use the policy's tokenizer")  # SAPO
-    critic_lr: float | None = arg(None, "critic AdamW learning rate (the paper: 2e-6 with --lr 1e-6)")  # SAPO
-    value_at: str = arg("start", "V(s_m) at the segment's first token (start: the paper's state before "
-                        "the segment) or at its last (end: the official code)",
-                        choices=["start", "end"])  # SAPO
-    value_clip: float = arg(0.5, "the value loss clips V - V_old to [-value_clip, value_clip]")  # SAPO
-    # --- optimisation ---
-    steps: int | None = arg(None, "rollout batches to train on")
-    lr: float | None = arg(None, "AdamW learning rate")
-    warmup_steps: int | None = arg(None, "linear lr warm-up in optimizer steps, then constant")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
-    num_mini_batches: int | None = arg(None, "optimizer steps per rollout batch (shuffled mini-batches)")
-    ppo_epochs: int = arg(1, "passes over the rollout batch")
-    micro_batch_size: int | None = arg(None, "completions per forward/backward (gradients accumulate)")
-    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
-    gradient_checkpointing: bool | None = arg(None, "recompute activations in the update (default: on CUDA)")
-    bf16: bool | None = arg(None, "compute in bf16 autocast over fp32 weights (default: on CUDA)")
-    # --- LoRA (PEFT) ---
-    lora_rank: int | None = arg(None, "LoRA rank r: train low-rank adapters on a frozen base; 0 = full "
-                                "fine-tuning (the tiny and gpu presets' default; the cpu preset's is 16)")
-    lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
-    lora_target_modules: str = arg("all-linear", "modules that get an adapter: all-linear (every linear layer "
-                                   "of the transformer blocks, MLPs included) or a comma list, e.g. q_proj,v_proj")
-    # --- run ---
-    seed: int = arg(1, "seed for data order, sampling and init")
-    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
-    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
-    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
-    eval_every: int | None = arg(None, "held-out evaluation every N steps, and at the first and last")
-    eval_n: int | None = arg(None, "held-out problems per evaluation (the same ones whatever --seed)")
-    save_every: int | None = arg(None, "checkpoint every N steps, and at the end")
-    keep_checkpoints: int = arg(2, "most recent checkpoints kept (only the newest keeps the optimizer)")
-    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
-    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
-    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
-    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place, with its saved "
-                             "arguments (only --steps, --device, --save-every, --keep-checkpoints, "
-                             "--sample-every and --tensorboard may change)")
+                           "(official code; the paper writes one eps)")
+    kl_coef: float = arg(0.001, "coefficient of the k1 KL penalty in the segment rewards; 0 loads "
+                         "no reference model")
+    segment_frac: float = arg(0.3, "k: this fraction of each completion's tokens, those of highest "
+                              "entropy, end segments")
+    gamma: float = arg(1.0, "GAE discount over segments")
+    lam: float = arg(0.99, "GAE lambda over segments")
+    adv_clip: float = arg(5.0, "whitened advantages are clamped to [-adv_clip, adv_clip] "
+                          "(official code)")
+    critic_model: str | None = arg(None, "model the critic starts from (default: --model); it "
+                                   "must use the policy's tokenizer")
+    critic_lr: float | None = arg(None, "critic AdamW learning rate (the paper: 2e-6 with --lr "
+                                  "1e-6)")
+    value_at: str = arg("start", "V(s_m) at the segment's first token (start: the paper's state "
+                        "before the segment) or at its last (end: the official code)",
+                        choices=["start", "end"])
+    value_clip: float = arg(0.5, "the value loss clips V - V_old to [-value_clip, value_clip]")
 
 
-# The three presets, picked by --preset or by model and device (common.apply_preset): tiny, the
-# bundled model; cpu, a real model on a CPU; gpu, the real run on one CUDA GPU. SAPO: P prompts x 1
-# completion, as many completions as the others' P x G.
-# lora_lr replaces lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without
-# Regret, Thinking Machines 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
-TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", answer_extraction="boxed",
-                     prompts_per_step=128, critic_lr=4e-4,  # SAPO: 128 x 1; the critic's lr 2x the policy's
-                     max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4, num_mini_batches=2,
-                     micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
-# cpu, each value's reason (SmolLM2-135M-Instruct on 2 cores; docs/real-models.md): word problems
-# through the chat template, read by math-verify (a task a 135M chat model can start on, offline);
-# 64 new tokens (a right answer takes 15-30; at 96 the model rambled to the cap, 82% cut off); 4
-# prompts x 8 (32 completions keep a step near 50 s; 8 give a group a chance of one right answer at
-# a 6% start); LoRA rank 16 at 3e-4 (10x full's 3e-5; the reference is the adapters switched off, no
-# second model); 60 steps, 128 held-out problems every 15 (an hour on 2 cores, ~2 min an evaluation).
-CPU_DEFAULTS = dict(dataset="words", template="chat", eval_dataset="words", answer_extraction="math_verify",
-                    lora_rank=16, prompts_per_step=32, critic_lr=6e-5,  # SAPO: 32 x 1
-                    max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4, warmup_steps=2, num_mini_batches=2,
-                    micro_batch_size=16, gen_batch_size=64, eval_every=15, eval_n=128, save_every=15)
-REAL_DEFAULTS = dict(dataset="math", template="qwen_math", eval_dataset="math", answer_extraction="boxed",
-                     prompts_per_step=256, critic_lr=2e-6,  # SAPO: 256 x 1
-                     max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10, num_mini_batches=4,
-                     micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500, save_every=50)
+# SAPO: one completion per prompt, so as many prompts as the others' completions (the paper's
+# 512 ran on 8 GPUs); the critic's lr twice the policy's, as in the paper (Table 7)
+PRESETS = tasks.presets(every=dict(group_size=1), tiny=dict(prompts_per_step=128, critic_lr=4e-4),
+                        cpu=dict(prompts_per_step=32, critic_lr=6e-5),
+                        gpu=dict(prompts_per_step=256, critic_lr=2e-6))
 
 
 def resolve_args(args: Args) -> Args:
-    """Fill every field left at None from the preset that fits the model, then check them all."""
-    cuda = common.resolve_device(args.device).type == "cuda"
-    common.apply_preset(args, {"tiny": TINY_DEFAULTS, "cpu": CPU_DEFAULTS, "gpu": REAL_DEFAULTS}, cuda)
-    args.bf16 = cuda if args.bf16 is None else args.bf16
-    args.gradient_checkpointing = cuda if args.gradient_checkpointing is None else args.gradient_checkpointing
-    if args.run_name is None:
-        args.run_name = f"{ALGO}-{Path(args.model).name}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    B = args.prompts_per_step * args.group_size
+    """The preset's value for every flag left unset, then every flag checked."""
+    tasks.resolve_run_args(args, ALGO, PRESETS, min_group=1)  # SAPO: a critic, no group
     common.check_args(args, {
-        f"--group-size must be at least 1, not {args.group_size}": args.group_size >= 1,  # SAPO: a critic, no group
-        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches":
-            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0,
-        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,  # SAPO
+        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
         f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
         f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
         f"--segment-frac must be in (0, 1], not {args.segment_frac}": 0 < args.segment_frac <= 1,
@@ -234,363 +97,20 @@ def resolve_args(args: Args) -> Args:
         f"--lam must be in [0, 1], not {args.lam}": 0 <= args.lam <= 1,
         f"--adv-clip must be > 0, not {args.adv_clip}": args.adv_clip > 0,
         f"--critic-lr must be > 0, not {args.critic_lr}": args.critic_lr > 0,
-        f"--value-at must be start or end, not {args.value_at!r}": args.value_at in ("start", "end"),
+        f"--value-at must be start or end, not {args.value_at!r}":
+            args.value_at in ("start", "end"),
         f"--value-clip must be > 0, not {args.value_clip}": args.value_clip > 0,
     })
     return args
 
 
-# =====================================================================================
-# Model
-# =====================================================================================
-def load_tokenizer(name: str, trust_remote_code: bool):
-    """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = common.resolve_model_name(name)
-    common.check_model_folder(path)  # a config and tokenizer files, or one line saying what is missing
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # hub errors, missing files: one line, not a deep traceback
-        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    ctx = getattr(config, "max_position_embeddings", None) or min(tokenizer.model_max_length, 1 << 20)
-    return tokenizer, ctx
-
-
-def load_model(name: str, device: torch.device, args, trainable: bool):
-    """fp32 weights for the policy and the reference alike (bf16 weights would round away lr=1e-6
-    updates, and would make the reference disagree with the policy at step 0), computed in bf16
-    under autocast when --bf16. With --lora-rank the trainable policy is the frozen base plus
-    fp32 adapters (add_lora), and the base, never updated, is held in bf16 on CUDA; `name` may
-    then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
-    script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
-    ...) is replaced by a neutral one."""
-    path = common.resolve_model_name(name)
-    adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = common.resolve_model_name(args.model) if adapter else path
-    dtype = torch.bfloat16 if args.lora_rank and args.bf16 and device.type == "cuda" else torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
-        raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
-    with torch.no_grad():  # the log-prob pass reads logits as lm_head(last hidden state): a model that
-        x = torch.arange(3)[None]  # rescales or soft-caps them after that (Gemma 2, Cohere) must say so
-        direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
-        if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
-            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. soft-capping "
-                            "or a logit scale), which this script's chunked log-prob pass does not reproduce")
-    own = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id,
-                                               bos_token_id=own.bos_token_id)
-    for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    if trainable and args.gradient_checkpointing:  # only active in train mode, so generate() is not slowed
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.requires_grad_(trainable)
-    if trainable and args.lora_rank:  # LoRA: the base stays frozen, only the adapters learn
-        model = add_lora(model, base, args, adapter)
-    model.to(device)
-    model.train(trainable)
-    return model
-
-
-def add_lora(model, base: str, args, adapter: str | None = None):
-    """The model as PEFT's LoRA model: every module in --lora-target-modules gets adapters A (r x in)
-    and B (out x r), B = 0 so that the output is exactly the base's before the first update, fp32
-    whatever the base's dtype, no adapter dropout (it would make the ratio differ from 1 before
-    the first update). `adapter`: a checkpoint's adapters to continue from."""
-    try:
-        from peft import LoraConfig, PeftModel, get_peft_model
-    except ImportError:
-        raise UserError("--lora-rank needs peft: pip install peft") from None
-    targets = args.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    try:
-        if adapter is not None:
-            model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
-        else:
-            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                target_modules=targets, task_type="CAUSAL_LM")
-            model = get_peft_model(model, config)
-    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, a layer PEFT cannot wrap
-        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
-                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
-    if Path(base).is_dir():  # the checkpoint names its base by full path, so eval.py finds it from anywhere
-        model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    return model
-
-
-class AdapterOff:
-    """pi_ref under LoRA: the policy's own base weights, which never change, seen with its
-    adapters switched off for the pass: no second model in memory. It offers what batch_logps
-    uses of a model."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def eval(self):
-        self.policy.eval()
-
-    def get_decoder(self):
-        def without_adapters(**inputs):
-            with self.policy.disable_adapter():
-                return self.policy.get_decoder()(**inputs)
-        return without_adapters
-
-    def get_output_embeddings(self):
-        def without_adapters(h):
-            with self.policy.disable_adapter():
-                return self.policy.get_output_embeddings()(h)
-        return without_adapters
-
-
-def load_reference(policy, device: torch.device, args):
-    """pi_ref, the frozen starting model: with --lora-rank the policy with its adapters off, else a
-    second copy loaded from --model."""
-    if args.lora_rank:
-        return AdapterOff(policy)
-    return load_model(args.model, device, args, trainable=False)
-
-
-def load_critic(name: str, device: torch.device, args, tokenizer):  # SAPO
-    """SAPO's critic V: the model `name` with a scalar value head on every position
-    (AutoModelForTokenClassification, num_labels=1, as verl builds critics), fp32 weights
-    computed under the same autocast as the policy, and no dropout (V_old must equal V before
-    the first update; the head would add a dropout of 0.1). A head the folder does not hold
-    (the first load, from a language model) starts at zero weight and bias (our reading;
-    transformers would draw it at random): V = 0 at every state on step 1, so the first
-    advantages are the whitened returns rather than the noise of a random head."""
-    path = common.resolve_model_name(name)
-    try:
-        critic, info = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
-            output_loading_info=True)
-    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
-        raise UserError(f"cannot load the critic from {name!r} ({path}): {common.first_line(e)}") from None
-    n_vocab = critic.get_input_embeddings().num_embeddings
-    if n_vocab < len(tokenizer):
-        raise UserError(f"the critic model {name!r} has {n_vocab} token embeddings, fewer than the "
-                        f"{len(tokenizer)} tokens of the policy's tokenizer: --critic-model must use that tokenizer")
-    with torch.no_grad():
-        for key in info["missing_keys"]:
-            if not key.startswith(critic.base_model_prefix + "."):  # the new head, not the base model
-                critic.get_parameter(key).zero_()
-    for m in critic.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    if args.gradient_checkpointing:  # only active in train mode
-        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return critic.to(device)
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS, the model's (Qwen lists
-    <|endoftext|> and <|im_end|>), and <|im_end|> whenever the vocabulary has it."""
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return sorted(i for i in ids if i is not None)
-
-
-def autocast(args):
-    device_type = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(args.bf16))
+def needs_reference(args: Args) -> bool:
+    """pi_ref for the KL penalty in the segment rewards; --kl-coef 0 does without it."""
+    return args.kl_coef > 0
 
 
 # =====================================================================================
-# Data
-# =====================================================================================
-def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None):
-    """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
-    --problem-column / --answer-column apply to the training set only."""
-    cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
-    for r in rows:
-        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
-    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
-    kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
-    if not kept:
-        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
-                        f"(context - max_new_tokens); lower --max-new-tokens")
-    if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than {max_prompt_tokens} tokens")
-    return kept
-
-
-def load_data(args, tokenizer, ctx: int):
-    """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
-    prompt + completion within the model's context)."""
-    if args.max_new_tokens >= ctx:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
-                        f"this model's {ctx}-token context")
-    max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
-    if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} "
-                        f"exceed this model's {ctx}-token context")
-    train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
-    if args.eval_dataset == "none":
-        print("no held-out evaluation (--eval-dataset none)")
-        return train_rows, []
-    return train_rows, load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, limit=args.eval_n)
-
-
-# =====================================================================================
-# Rollouts
-# =====================================================================================
-def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
-    never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [B, T]
-    T = completion_ids.shape[1]
-    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # a row without EOS is valid to its end
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: argmax finds the first 1
-    positions = torch.arange(T, device=completion_ids.device)[None, :]  # [1, T]
-    return (positions <= first_eos[:, None]).long()
-
-
-def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Text of each completion up to its first EOS; whatever generate() padded after it is dropped."""
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
-
-
-@torch.no_grad()
-def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_ids, device) -> dict:
-    """Sample G completions per prompt with HF generate (KV cache on); row b belongs to
-    prompt b // G. Returns token tensors with the prompt left-padded and the completion masks."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
-    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
-    gen_cfg = GenerationConfig(  # every sampling setting written out: nothing may reshape the distribution
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    model.eval()
-    chunks, n = [], args.gen_batch_size or len(prompt_ids)
-    for i in range(0, len(prompt_ids), n):
-        with autocast(args):
-            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                 generation_config=gen_cfg)
-        chunks.append(out[:, prompt_ids.shape[1]:])
-    T = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks])  # [B, T]
-    mask = completion_mask(completion_ids, eos_ids)  # [B, T]
-    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
-    texts = decode_completions(tokenizer, completion_ids, mask)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                mask=mask, truncated=truncated, texts=texts, prompts=[p for p in prompts for _ in range(G)])
-
-
-def model_inputs(batch, rows):
-    """Prompt + completion tokens of `rows` for one forward pass, trimmed to the columns these rows
-    use (prompts are left-padded, completions right-padded), so a micro-batch of short completions
-    is not padded to the batch's longest. Position ids follow the left padding, as in generate.
-    Returns input_ids, attention_mask, position_ids [b, Tp' + T'] and T', the completion width."""
-    prompt_mask, mask = batch["prompt_mask"][rows], batch["mask"][rows]
-    start = prompt_mask.shape[1] - int(prompt_mask.sum(1).max())  # first prompt column any row uses
-    T = int(mask.sum(1).max())  # the mask is 1 up to each row's EOS, then 0
-    input_ids = torch.cat([batch["prompt_ids"][rows, start:], batch["completion_ids"][rows, :T]], 1)
-    attention_mask = torch.cat([prompt_mask[:, start:], mask[:, :T]], 1)
-    return input_ids, attention_mask, (attention_mask.cumsum(1) - 1).clamp(min=0), T
-
-
-def micro_batches(batch, rows, size: int):
-    """`rows` split into micro-batches of at most `size` completions of similar length, so each
-    is padded only to its own longest. The loss of a mini-batch is a sum over its micro-batches,
-    so how they are grouped does not change the gradient."""
-    return rows[batch["mask"][rows].sum(1).argsort(stable=True)].split(size)
-
-
-def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
-    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
-    extra(logits, ids) [N] (both no grad), from logits / temperature."""
-    logits = lm_head(h).float() / temperature  # [N, V]
-    logz = torch.logsumexp(logits, -1)
-    logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
-    with torch.no_grad():
-        entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
-        extra_value = extra(logits, ids) if extra is not None else None
-    return logp, entropy, extra_value
-
-
-def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
-    """Log-prob of each completion token [b, T] and the entropy of the full next-token
-    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
-    distribution that was sampled. Position ids follow the left padding, as in generate.
-    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
-    positions at a time and is recomputed in the backward pass, so memory holds one chunk
-    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
-    Padded positions are 0 in every output."""
-    input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
-    ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
-    with autocast(args):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
-    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
-    lm_head, outs = model.get_output_embeddings(), []
-    for i in range(0, len(h), chunk):
-        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature, with_entropy, extra)
-        with autocast(args):
-            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
-
-    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
-        if outs and outs[0][k] is None:
-            return None
-        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-        full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
-        return torch.zeros(full.shape, dtype=flat.dtype, device=full.device).masked_scatter(full, flat)
-    return scatter(0), scatter(1), scatter(2)
-
-
-@torch.no_grad()
-def batch_logps(model, batch: dict, args, extra=None):
-    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
-    model.eval()
-    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
-        zero = batch["mask"].float()
-        return zero, zero, zero if extra is not None else None
-    mbs = micro_batches(batch, torch.arange(len(batch["mask"]), device=batch["mask"].device), args.micro_batch_size)
-    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
-    order = torch.cat(mbs).argsort()  # back to the batch's row order
-
-    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
-        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
-    return joined(0), joined(1), joined(2)
-
-
-def token_values(critic, batch, rows, args):  # SAPO
-    """The critic's value V(x, y_<t) of each completion token t, [b, T], 0 on padding: the value
-    head at the input position just before token t (the last prompt token for t = 0), the
-    position whose logits give logp[:, t], so it values the state in which token t is chosen.
-    Input, position ids and autocast as in token_logps_and_entropy; with grad when enabled."""
-    input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
-    valid = batch["mask"][rows].bool()  # [b, T]
-    with autocast(args):
-        v = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits[..., 0]  # [b, Tp' + T']
-    v = F.pad(v[:, -T - 1:-1].float(), (0, valid.shape[1] - T))  # position t - 1 values token t
-    return torch.where(valid, v, 0.0)
-
-
-@torch.no_grad()
-def batch_values(critic, batch: dict, args) -> torch.Tensor:  # SAPO
-    """No-grad token values [B, T] over the whole batch, micro-batch by micro-batch."""
-    critic.eval()
-    mbs = micro_batches(batch, torch.arange(len(batch["mask"]), device=batch["mask"].device), args.micro_batch_size)
-    return torch.cat([token_values(critic, batch, mb, args) for mb in mbs])[torch.cat(mbs).argsort()]
-
-
-# =====================================================================================
-# Segments
+# Segments: cut at the highest-entropy tokens
 # =====================================================================================
 def _seg_sum(x: torch.Tensor, seg_id: torch.Tensor, mask: torch.Tensor, S: int) -> torch.Tensor:
     """[B, T] -> [B, S]: sum of x over the valid tokens of each segment (padding adds nothing)."""
@@ -710,14 +230,123 @@ def segment_state_values(token_values, seg_id, seg_mask, mask, value_at: str = "
 
 
 # =====================================================================================
-# Reward
+# Loss: the clipped surrogate with segment ratios, and the critic's value loss
+# =====================================================================================
+def segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, clamp: float | None = 20.0):
+    """[B, T] log of the segment ratio s_m (Eq. 8) on every token of segment m, 0 on padding.
+
+    With x_t = clamp(logp_t - old_logp_t, -clamp, clamp) (the clamp is the official code's;
+    None disables it), log s_m = mean of x_t over the segment, carried to each token as
+    sg(log s_m) + x_t - sg(x_t): its value is log s_m, and d/d logp_t is 1 (0 where the
+    clamp is active) with nothing through the other tokens. Since every token of a segment
+    shares s_m and A_m, a token-mean of any f(s_m, A_m) then has, for each logp_t, the
+    gradient f'(s_m) s_m / N: exactly that of the literal mean of Eq. 8 (Eq. 13).
+
+    >>> old = torch.tensor([[-1.0, -1.0, -2.0, 0.0]])
+    >>> logp = torch.tensor([[-0.8, -1.0, -2.3, 0.0]])  # logp - old = 0.2, 0.0 | -0.3
+    >>> seg_id = torch.tensor([[0, 0, 1, -1]])
+    >>> x = segment_log_ratio(logp, old, seg_id, torch.tensor([[True, True]]), seg_id >= 0)
+    >>> [round(v, 4) for v in x[0].tolist()]
+    [0.1, 0.1, -0.3, 0.0]
+    """
+    valid = mask.bool()
+    x = torch.where(valid, logp - old_logp, 0.0)
+    if clamp is not None:
+        x = x.clamp(-clamp, clamp)
+    log_s = _seg_mean(x.detach(), seg_id, mask, seg_mask.shape[1])
+    return torch.where(valid, to_tokens(log_s, seg_id, mask) + x - x.detach(), 0.0)
+
+
+def sapo_policy_loss(logp, old_logp, advantages, seg_id, seg_mask, mask, clip_low=0.2,
+                     clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0, num_tokens=None):
+    """SAPO's clipped surrogate (Eq. 9) with the segment ratio, token-mean.
+
+    logp        [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
+    old_logp    [B, T]  the same under the policy that sampled the batch (no grad)
+    advantages  [B, T]  A_m(t) on each token (to_tokens of the whitened segment advantages)
+    seg_id, seg_mask, mask   from segment_index
+    num_tokens          valid tokens in the whole mini-batch (default: this mask's), counted
+                        before the micro-batch loop, so micro-batch losses sum to the unsplit
+    dual_clip           official code: for A < 0 the loss is capped at -A * dual_clip (> 1),
+                        so a segment whose ratio has run far up stops being pushed; None = off
+    log_ratio_clamp     official code: token log-ratios clamped to +-20; None = off
+    Returns the scalar loss. On the first update of a batch old_logp == logp, every s_m is 1
+    and the loss value is -mean(A) (~0 after whitening), yet its gradient is the policy
+    gradient -A_m(t) * grad logp_t / num_tokens.
+
+    >>> old = torch.tensor([[-1.0, -1.0, -2.0]])
+    >>> logp = torch.tensor([[-0.8, -1.0, -2.3]], requires_grad=True)  # s = e^0.1 | e^-0.3
+    >>> seg_id = torch.tensor([[0, 0, 1]])
+    >>> A = torch.tensor([[1.0, 1.0, -1.0]])
+    >>> loss = sapo_policy_loss(logp, old, A, seg_id, torch.tensor([[True, True]]),
+    ...                         seg_id >= 0, num_tokens=3)
+    >>> round(loss.item(), 4)  # (-e^0.1 - e^0.1 + max(e^-0.3, 0.8)) / 3: segment 2 clipped
+    -0.4701
+    """
+    valid = mask.bool()
+    s = torch.exp(segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, log_ratio_clamp))
+    A = torch.where(valid, advantages, 0.0)
+    pg = torch.max(-A * s, -A * torch.clamp(s, 1 - clip_low, 1 + clip_high))
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, not {dual_clip}")
+        pg = torch.where(A < 0, torch.min(pg, -A * dual_clip), pg)
+    return torch.where(valid, pg, 0.0).sum() / (valid.sum() if num_tokens is None else num_tokens)
+
+
+def sapo_value_loss(values, old_values, returns, seg_mask, num_segments, clip=0.5):
+    """Critic loss at segment states only (Eq. 10, in the official code's clipped form):
+    0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -clip, clip),
+    summed over valid segments / num_segments (segments in the whole mini-batch, so
+    micro-batches sum to the unsplit value). clip=None gives 0.5 * (V - R)^2.
+
+    values      [B, S]  V(s_m) from the critic being trained (segment_state_values, grad)
+    old_values  [B, S]  the same when the batch was sampled (no grad)
+    returns     [B, S]  R_m from segment_gae
+
+    >>> v, v_old = torch.tensor([[1.0, 0.2]]), torch.tensor([[0.0, 0.0]])
+    >>> R = torch.tensor([[2.0, 1.0]])
+    >>> loss = sapo_value_loss(v, v_old, R, torch.tensor([[True, True]]), num_segments=2)
+    >>> round(loss.item(), 4)  # (0.5 * max(1, 2.25) + 0.5 * max(0.64, 0.64)) / 2
+    0.7225
+    """
+    ok = seg_mask.bool()
+    v, v_old, R = (torch.where(ok, x, 0.0) for x in (values, old_values, returns))
+    l_v = (v - R) ** 2
+    if clip is not None:
+        v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
+        l_v = torch.max(l_v, (v_clip - R) ** 2)
+    return torch.where(ok, 0.5 * l_v, 0.0).sum() / num_segments
+
+
+@torch.no_grad()
+def explained_variance(values, returns, seg_mask) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over the valid segments ([B, S] each): 1 for a perfect
+    critic, 0 for one that predicts the mean, negative for worse; NaN if Var(R) == 0.
+
+    >>> ev = explained_variance(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([[0.0, 1.0, 2.0]]),
+    ...                         torch.tensor([[True, True, True]]))
+    >>> round(ev.item(), 4)  # R - V = (0, 0, 1): Var 2/9; Var(R) = 2/3
+    0.6667
+    """
+    ok = seg_mask.bool()
+    v, R = values[ok].double(), returns[ok].double()
+    var_r = R.var(unbiased=False) if R.numel() else R.new_tensor(0.0)
+    if var_r <= 0:
+        return torch.tensor(float("nan"))
+    return (1 - (R - v).var(unbiased=False) / var_r).float()
+
+
+# =====================================================================================
+# Reward: the outcome on the last segment, a KL penalty on every one
 # =====================================================================================
 def reward_fn(texts: list[str], answers: list[str], args):
     """GRPO's outcome reward: r_i = 1 if the completion's final answer equals the reference
     answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
     math_verify: math-verify finds it in free text instead); it is compared with math-verify,
     gold first, each parse and comparison time-bounded, and model text is never executed."""
-    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
+    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+              for t, a in zip(texts, answers)]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     return correct.clone(), correct, parsed
@@ -754,7 +383,7 @@ def segment_rewards(old_logp, ref_logp, outcome, seg_id, seg_mask, mask, kl_coef
 
 
 # =====================================================================================
-# Advantage
+# Advantage: GAE over segments, whitened and clamped
 # =====================================================================================
 @torch.no_grad()
 def segment_gae(rewards, values, seg_mask, gamma: float = 1.0, lam: float = 0.99):
@@ -803,8 +432,68 @@ def whiten_and_clamp(adv_tokens, mask, clip: float = 5.0, eps: float = 1e-8):
     return torch.where(valid, out, 0.0)
 
 
+# =====================================================================================
+# The critic: V at every position, read at segment states
+# =====================================================================================
+def load_critic(name: str, device: torch.device, args, tokenizer):
+    """SAPO's critic V: the model `name` with a scalar value head on every position
+    (AutoModelForTokenClassification, num_labels=1, as verl builds critics), fp32 weights
+    computed under the same autocast as the policy, and no dropout (V_old must equal V before
+    the first update; the head would add a dropout of 0.1). A head the folder does not hold
+    (the first load, from a language model) starts at zero weight and bias (our reading;
+    transformers would draw it at random): V = 0 at every state on step 1, so the first
+    advantages are the whitened returns rather than the noise of a random head."""
+    path = tasks.resolve_model_name(name)
+    try:
+        critic, info = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+            output_loading_info=True)
+    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
+        raise UserError(f"cannot load the critic from {name!r} ({path}): "
+                        f"{common.first_line(e)}") from None
+    n_vocab = critic.get_input_embeddings().num_embeddings
+    if n_vocab < len(tokenizer):
+        raise UserError(f"the critic model {name!r} has {n_vocab} token embeddings, fewer than "
+                        f"the {len(tokenizer)} tokens of the policy's tokenizer: --critic-model "
+                        f"must use that tokenizer")
+    with torch.no_grad():
+        for key in info["missing_keys"]:
+            if not key.startswith(critic.base_model_prefix + "."):  # the new head, not the base
+                critic.get_parameter(key).zero_()
+    for m in critic.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    if args.gradient_checkpointing:  # only active in train mode
+        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return critic.to(device)
+
+
+def token_values(critic, batch, rows, args):
+    """The critic's value V(x, y_<t) of each completion token t, [b, T], 0 on padding: the value
+    head at the input position just before token t (the last prompt token for t = 0), the
+    position whose logits give logp[:, t], so it values the state in which token t is chosen.
+    Input, position ids and autocast as in token_logps_and_entropy; with grad when enabled."""
+    input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
+    valid = batch["mask"][rows].bool()  # [b, T]
+    with autocast(args):
+        v = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[..., 0]  # [b, Tp' + T']
+    v = F.pad(v[:, -T - 1:-1].float(), (0, valid.shape[1] - T))  # position t - 1 values token t
+    return torch.where(valid, v, 0.0)
+
+
 @torch.no_grad()
-def segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args) -> dict:  # SAPO
+def batch_values(critic, batch: dict, args) -> torch.Tensor:
+    """No-grad token values [B, T] over the whole batch, micro-batch by micro-batch."""
+    critic.eval()
+    rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
+    mbs = micro_batches(batch, rows, args.micro_batch_size)
+    values = torch.cat([token_values(critic, batch, mb, args) for mb in mbs])
+    return values[torch.cat(mbs).argsort()]  # back to the batch's row order
+
+
+@torch.no_grad()
+def segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args) -> dict:
     """Everything SAPO fixes once per rollout batch, before any update (no grad):
 
     ends [B, T] bool, seg_id [B, T], seg_mask [B, S]   segments from the sampling policy's
@@ -824,182 +513,34 @@ def segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args)
     rewards = segment_rewards(old_logp, ref_logp, outcome, seg_id, seg_mask, mask, args.kl_coef)
     adv, returns = segment_gae(rewards, old_values, seg_mask, args.gamma, args.lam)  # Eqs. 6-7
     raw = to_tokens(adv, seg_id, mask)
-    return dict(ends=ends, seg_id=seg_id, seg_mask=seg_mask, token_values=tok_values, old_values=old_values,
-                returns=returns, raw_advantages=raw, advantages=whiten_and_clamp(raw, mask, args.adv_clip))
+    return dict(ends=ends, seg_id=seg_id, seg_mask=seg_mask, token_values=tok_values,
+                old_values=old_values, returns=returns, raw_advantages=raw,
+                advantages=whiten_and_clamp(raw, mask, args.adv_clip))
 
 
 # =====================================================================================
-# Loss
+# Statistics
 # =====================================================================================
-def segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, clamp: float | None = 20.0):
-    """[B, T] log of the segment ratio s_m (Eq. 8) on every token of segment m, 0 on padding.
-
-    With x_t = clamp(logp_t - old_logp_t, -clamp, clamp) (the clamp is the official code's;
-    None disables it), log s_m = mean of x_t over the segment, carried to each token as
-    sg(log s_m) + x_t - sg(x_t): its value is log s_m, and d/d logp_t is 1 (0 where the
-    clamp is active) with nothing through the other tokens. Since every token of a segment
-    shares s_m and A_m, a token-mean of any f(s_m, A_m) then has, for each logp_t, the
-    gradient f'(s_m) s_m / N: exactly that of the literal mean of Eq. 8 (Eq. 13).
-
-    >>> old = torch.tensor([[-1.0, -1.0, -2.0, 0.0]])
-    >>> logp = torch.tensor([[-0.8, -1.0, -2.3, 0.0]])  # logp - old = 0.2, 0.0 | -0.3
-    >>> seg_id = torch.tensor([[0, 0, 1, -1]])
-    >>> x = segment_log_ratio(logp, old, seg_id, torch.tensor([[True, True]]), seg_id >= 0)
-    >>> [round(v, 4) for v in x[0].tolist()]
-    [0.1, 0.1, -0.3, 0.0]
-    """
-    valid = mask.bool()
-    x = torch.where(valid, logp - old_logp, 0.0)
-    if clamp is not None:
-        x = x.clamp(-clamp, clamp)
-    log_s = _seg_mean(x.detach(), seg_id, mask, seg_mask.shape[1])
-    return torch.where(valid, to_tokens(log_s, seg_id, mask) + x - x.detach(), 0.0)
-
-
-def sapo_policy_loss(logp, old_logp, advantages, seg_id, seg_mask, mask, num_tokens,
-                     clip_low=0.2, clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0):
-    """SAPO's clipped surrogate (Eq. 9) with the segment ratio, token-mean.
-
-    logp        [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
-    old_logp    [B, T]  the same under the policy that sampled the batch (no grad)
-    advantages  [B, T]  A_m(t) on each token (to_tokens of the whitened segment advantages)
-    seg_id, seg_mask, mask   from segment_index
-    num_tokens          valid tokens in the whole mini-batch, counted before the micro-batch
-                        loop, so micro-batch losses (and gradients) sum to the unsplit ones
-    dual_clip           official code: for A < 0 the loss is capped at -A * dual_clip (> 1),
-                        so a segment whose ratio has run far up stops being pushed; None = off
-    log_ratio_clamp     official code: token log-ratios clamped to +-20; None = off
-    Returns the scalar loss. On the first update of a batch old_logp == logp, every s_m is 1
-    and the loss value is -mean(A) (~0 after whitening), yet its gradient is the policy
-    gradient -A_m(t) * grad logp_t / num_tokens.
-
-    >>> old = torch.tensor([[-1.0, -1.0, -2.0]])
-    >>> logp = torch.tensor([[-0.8, -1.0, -2.3]], requires_grad=True)  # s = e^0.1 | e^-0.3
-    >>> seg_id = torch.tensor([[0, 0, 1]])
-    >>> A = torch.tensor([[1.0, 1.0, -1.0]])
-    >>> loss = sapo_policy_loss(logp, old, A, seg_id, torch.tensor([[True, True]]),
-    ...                         seg_id >= 0, num_tokens=3)
-    >>> round(loss.item(), 4)  # (-e^0.1 - e^0.1 + max(e^-0.3, 0.8)) / 3: segment 2 clipped
-    -0.4701
-    """
-    valid = mask.bool()
-    s = torch.exp(segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, log_ratio_clamp))
-    A = torch.where(valid, advantages, 0.0)
-    pg = torch.max(-A * s, -A * torch.clamp(s, 1 - clip_low, 1 + clip_high))
-    if dual_clip is not None:
-        if dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1, not {dual_clip}")
-        pg = torch.where(A < 0, torch.min(pg, -A * dual_clip), pg)
-    return torch.where(valid, pg, 0.0).sum() / num_tokens
-
-
-def sapo_value_loss(values, old_values, returns, seg_mask, num_segments, clip=0.5):
-    """Critic loss at segment states only (Eq. 10, in the official code's clipped form):
-    0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -clip, clip),
-    summed over valid segments / num_segments (segments in the whole mini-batch, so
-    micro-batches sum to the unsplit value). clip=None gives 0.5 * (V - R)^2.
-
-    values      [B, S]  V(s_m) from the critic being trained (segment_state_values, grad)
-    old_values  [B, S]  the same when the batch was sampled (no grad)
-    returns     [B, S]  R_m from segment_gae
-
-    >>> v, v_old = torch.tensor([[1.0, 0.2]]), torch.tensor([[0.0, 0.0]])
-    >>> R = torch.tensor([[2.0, 1.0]])
-    >>> loss = sapo_value_loss(v, v_old, R, torch.tensor([[True, True]]), num_segments=2)
-    >>> round(loss.item(), 4)  # (0.5 * max(1, 2.25) + 0.5 * max(0.64, 0.64)) / 2
-    0.7225
-    """
-    ok = seg_mask.bool()
-    v, v_old, R = (torch.where(ok, x, 0.0) for x in (values, old_values, returns))
-    l_v = (v - R) ** 2
-    if clip is not None:
-        v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
-        l_v = torch.max(l_v, (v_clip - R) ** 2)
-    return torch.where(ok, 0.5 * l_v, 0.0).sum() / num_segments
-
-
-@torch.no_grad()
-def explained_variance(values, returns, seg_mask) -> torch.Tensor:
-    """1 - Var(R - V) / Var(R) over the valid segments ([B, S] each): 1 for a perfect
-    critic, 0 for one that predicts the mean, negative for worse; NaN if Var(R) == 0.
-
-    >>> ev = explained_variance(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([[0.0, 1.0, 2.0]]),
-    ...                         torch.tensor([[True, True, True]]))
-    >>> round(ev.item(), 4)  # R - V = (0, 0, 1): Var 2/9; Var(R) = 2/3
-    0.6667
-    """
-    ok = seg_mask.bool()
-    v, R = values[ok].double(), returns[ok].double()
-    var_r = R.var(unbiased=False) if R.numel() else R.new_tensor(0.0)
-    if var_r <= 0:
-        return torch.tensor(float("nan"))
-    return (1 - (R - v).var(unbiased=False) / var_r).float()
-
-
-# =====================================================================================
-# Evaluation, samples, metrics
-# =====================================================================================
-@torch.no_grad()
-def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
-    """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
-    out = {}
-    for name, sample in (("greedy", False), ("sampled", True)):
-        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
-                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
-                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
-                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
-        correct, cut, n = 0, 0, args.gen_batch_size or 128
-        model.eval()
-        for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
-            chunk = problems[i:i + n]
-            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
-            with autocast(args):
-                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
-            texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
-                           for t, p in zip(texts, chunk))
-            cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
-        out[f"eval/{name}_acc"] = correct / len(problems)
-        out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
-    return out
-
-
-def show_samples(step, batch, rewards, k=2):
-    tqdm.write(f"--- samples at step {step} ---")
-    for p, t, r in list(zip(batch["prompts"], batch["texts"], rewards.tolist()))[:k]:
-        tqdm.write(f"[reward {r:+.2f}] {p[-80:]!r} -> {t[:300]!r}")
-
-
-def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
-    m = batch["mask"].bool()
-    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
-            "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if len(rewards) else 1.0,
-            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
-            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
-            "truncated_frac": batch["truncated"].float().mean().item()}
-
-
-def critic_step(optimizer, scheduler, params, args, value_loss_sum: float) -> dict:  # SAPO
+def critic_step(optimizer, scheduler, params, args, value_loss_sum: float) -> dict:
     """common.optimizer_step for the critic, with its statistics named for it: value_loss,
     value_grad_norm, and skipped_updates (reduce_stats sums it with the policy's, so it counts
     the skipped steps of both optimizers)."""
     c = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, value_loss_sum)
-    return {"value_loss": value_loss_sum, "value_grad_norm": c["grad_norm"], "skipped_updates": c["skipped_updates"]}
+    return {"value_loss": value_loss_sum, "value_grad_norm": c["grad_norm"],
+            "skipped_updates": c["skipped_updates"]}
 
 
-def sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp) -> dict:  # SAPO
+def sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp) -> dict:
     """rollout_metrics with the whole batch as one group (G = 1, so zero_std_frac is 1 when every
     completion got the same reward: nothing to learn), plus SAPO's rollout_stats."""
     return {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),
-            **rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"], seg["seg_mask"],
-                            batch["mask"], old_logp, ref_logp)}
+            **rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"],
+                            seg["seg_mask"], batch["mask"], old_logp, ref_logp)}
 
 
 @torch.no_grad()
-def rollout_stats(raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=None, ref_logp=None) -> dict:
+def rollout_stats(raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=None,
+                  ref_logp=None) -> dict:
     """SAPO, per rollout batch: segments per completion, mean segment length (tokens), the token
     advantages' mean and std (Bessel) before whitening, the critic's explained variance of the
     returns by the values it gave this batch before training on it (out of sample), the mean
@@ -1091,23 +632,24 @@ def value_stats(values, old_values, returns, seg_mask, clip=0.5) -> dict:
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = harness.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
+    run = harness.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
-    train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before any model loads
+    train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
     policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
-    ref = load_reference(policy, device, args) if args.kl_coef > 0 else None  # SAPO: for r_m
-    critic = load_critic(run.weights("critic", args.critic_model), device, args, tokenizer)  # SAPO: V
+    ref = load_reference(policy, device, args) if needs_reference(args) else None  # SAPO: for r_m
+    critic_from = run.weights("critic", args.critic_model)  # SAPO: the critic V, in critic/
+    critic = load_critic(critic_from, device, args, tokenizer)
     eos_ids = eos_token_ids(policy, tokenizer)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)
-    critic_params = [p for p in critic.parameters() if p.requires_grad]  # SAPO: its own AdamW, at --critic-lr
-    critic_args = dataclasses.replace(args, lr=args.critic_lr)  # SAPO
+    critic_params = [p for p in critic.parameters() if p.requires_grad]  # SAPO: its own AdamW
+    critic_args = dataclasses.replace(args, lr=args.critic_lr)
     critic_optimizer, critic_scheduler = common.make_optimizer(critic_params, critic_args)
     sampler = tasks.PromptSampler(len(train_rows), args.seed)
-    start = run.attach({"": policy, "critic": critic}, tokenizer,  # SAPO: + the critic (in critic/) and its AdamW
-                       dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                            critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler))
+    state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                 critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler)  # SAPO
+    start = run.attach({"": policy, "critic": critic}, tokenizer, state)  # what a checkpoint holds
     if start == 0 and eval_rows:
         run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
@@ -1116,7 +658,8 @@ def train(args: Args) -> dict:
         clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
         # 1. Rollouts: P prompts, G completions each (SAPO: G = 1); row b belongs to prompt b // G
         rows = [train_rows[i] for i in sampler.take(P)]
-        batch = generate_rollouts(policy, tokenizer, [r["prompt"] for r in rows], G, args, eos_ids, device)
+        prompts = [r["prompt"] for r in rows]
+        batch = generate_rollouts(policy, tokenizer, prompts, G, args, eos_ids, device)
         clock.lap("generate")
 
         # 2. Reward r_i (SAPO: the outcome, given to the completion's last segment in step 4)
@@ -1132,9 +675,10 @@ def train(args: Args) -> dict:
 
         # 4. SAPO: segments, old values V(s_m), segment rewards, GAE over segments -> A_m, R_m,
         #    A_m on every token of segment m, whitened over the rollout batch and clamped
-        seg = segment_batch(critic, batch, old_logp, old_entropy, ref_logp, rewards.to(device), args)
-        seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]  # SAPO
-        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # for tools/diagnostics.py
+        outcome = rewards.to(device)
+        seg = segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args)
+        seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]
+        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # diagnostics
         clock.lap("advantage")
 
         # 5. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
@@ -1146,41 +690,409 @@ def train(args: Args) -> dict:
             for mini in torch.randperm(len(rewards), device=device).chunk(args.num_mini_batches):
                 optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)  # SAPO
-                num_tokens = batch["mask"][mini].sum().item()  # SAPO: token-mean over the mini-batch
-                num_segments = seg_mask[mini].sum().item()  # SAPO: value loss, mean over its segments
+                num_tokens = batch["mask"][mini].sum().item()  # SAPO: the mini-batch's tokens
+                num_segments = seg_mask[mini].sum().item()  # SAPO: and segments (value loss)
                 loss_sum, value_loss_sum = 0.0, 0.0
                 for mb in micro_batches(batch, mini, args.micro_batch_size):
-                    m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]  # SAPO
+                    m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]
                     old_v, R = seg["old_values"][mb], seg["returns"][mb]  # SAPO: [b, S] each
-                    logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, with_entropy=False)  # [b, T]
-                    loss = sapo_policy_loss(logp, old_logp[mb], advantages[mb], sid, sm, m, num_tokens,
-                                            args.clip_low, args.clip_high)  # SAPO: Eq. 9
-                    loss.backward()  # gradients add up over micro-batches to those of the mini-batch
-                    values = segment_state_values(token_values(critic, batch, mb, args), sid, sm, m, args.value_at)
-                    value_loss = sapo_value_loss(values, old_v, R, sm, num_segments, args.value_clip)  # SAPO: Eq. 10
+                    logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
+                    A = advantages[mb]  # SAPO: A_m(t) [b, T]
+                    loss = sapo_policy_loss(logp, old_logp[mb], A, sid, sm, m, args.clip_low,
+                                            args.clip_high, num_tokens=num_tokens)  # SAPO: Eq. 9
+                    loss.backward()  # gradients add up over micro-batches to the mini-batch's
+                    v_tokens = token_values(critic, batch, mb, args)  # SAPO: with grad
+                    values = segment_state_values(v_tokens, sid, sm, m, args.value_at)  # [b, S]
+                    value_loss = sapo_value_loss(values, old_v, R, sm, num_segments,
+                                                 args.value_clip)  # SAPO: Eq. 10
                     value_loss.backward()  # SAPO
-                    loss_sum, value_loss_sum = loss_sum + loss.item(), value_loss_sum + value_loss.item()
-                    stats.append({**sapo_stats(logp, old_logp[mb], advantages[mb], sid, sm, m, args.clip_low,
-                                               args.clip_high), **value_stats(values, old_v, R, sm, args.value_clip)})
-                stats.append({"loss": loss_sum,
-                              **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
-                stats.append(critic_step(critic_optimizer, critic_scheduler, critic_params, args, value_loss_sum))
+                    loss_sum += loss.item()
+                    value_loss_sum += value_loss.item()
+                    stats.append({**sapo_stats(logp, old_logp[mb], A, sid, sm, m, args.clip_low,
+                                               args.clip_high),
+                                  **value_stats(values, old_v, R, sm, args.value_clip)})
+                step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
+                                                   loss_sum)
+                stats.append({"loss": loss_sum, **step_stats})
+                stats.append(critic_step(critic_optimizer, critic_scheduler, critic_params, args,
+                                         value_loss_sum))  # SAPO
         clock.lap("update")
 
         # 6. Metrics, samples, held-out evaluation, checkpoint
-        metrics = {**sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp),  # SAPO
+        metrics = {**sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp,
+                                  ref_logp),  # SAPO
                    **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
                    "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
                    **clock.metrics(tokens=batch["mask"].sum().item())}
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
-            run.write_samples(step, tokenizer, batch, rewards, advantages, {  # SAPO: + segments, advantages, values
-                "entropy": old_entropy, "segment_end": seg["ends"].float(), "advantage": advantages,
-                "value": seg["token_values"]})
+            shown = {"entropy": old_entropy, "segment_end": seg["ends"].float(),  # SAPO: segments,
+                     "advantage": advantages, "value": seg["token_values"]}  # advantages, values
+            run.write_samples(step, tokenizer, batch, rewards, advantages, shown)
         if eval_rows and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
         run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
     return run.finish()
+
+
+# =====================================================================================
+# The skeleton: below this line, every script is the same, line for line
+# =====================================================================================
+# ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
+def load_tokenizer(name: str, trust_remote_code: bool):
+    """The tokenizer (left padding: generation appends on the right) and the context length."""
+    path = tasks.resolve_model_name(name)
+    tasks.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # hub errors, missing files: one line, not a deep traceback
+        raise UserError(f"cannot load model {name!r} ({path}): {common.first_line(e)}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    ctx = getattr(config, "max_position_embeddings", None)
+    ctx = ctx or min(tokenizer.model_max_length, 1 << 20)
+    return tokenizer, ctx
+
+
+def load_model(name: str, device: torch.device, args, trainable: bool):
+    """fp32 weights for the policy and the reference alike (bf16 weights would round away lr=1e-6
+    updates, and would make the reference disagree with the policy at step 0), computed in bf16
+    under autocast when --bf16. With --lora-rank the trainable policy is the frozen base plus
+    fp32 adapters (add_lora), and the base, never updated, is held in bf16 on CUDA; `name` may
+    then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
+    script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
+    ...) is replaced by a neutral one."""
+    path = tasks.resolve_model_name(name)
+    adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
+    base = tasks.resolve_model_name(args.model) if adapter else path
+    bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
+    dtype = torch.bfloat16 if bf16_base else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
+                                                     trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
+        raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
+    # the log-prob pass reads logits as lm_head(last hidden state): a model that rescales or
+    # soft-caps them after that (Gemma 2, Cohere) must say so
+    with torch.no_grad():
+        x = torch.arange(3)[None]
+        direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
+        if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
+            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. "
+                            "soft-capping or a logit scale), which this script's chunked log-prob "
+                            "pass does not reproduce")
+    own = model.generation_config
+    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id,
+                                               bos_token_id=own.bos_token_id)
+    for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    if trainable and args.gradient_checkpointing:  # only in train mode: generate() is not slowed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.requires_grad_(trainable)
+    if trainable and args.lora_rank:  # LoRA: the base stays frozen, only the adapters learn
+        model = add_lora(model, base, args, adapter)
+    model.to(device)
+    model.train(trainable)
+    return model
+
+
+def add_lora(model, base: str, args, adapter: str | None = None):
+    """The model as PEFT's LoRA model: every module in --lora-target-modules gets adapters A
+    (r x in) and B (out x r), B = 0 so that the output is exactly the base's before the first
+    update, fp32 whatever the base's dtype, no adapter dropout (it would make the ratio differ
+    from 1 before the first update). `adapter`: a checkpoint's adapters to continue from."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise UserError("--lora-rank needs peft: pip install peft") from None
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    try:
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+        else:
+            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                target_modules=targets, task_type="CAUSAL_LM")
+            model = get_peft_model(model, config)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, or PEFT failed
+        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
+                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
+    if Path(base).is_dir():  # the checkpoint names its base by full path: eval.py finds it anywhere
+        model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+class AdapterOff:
+    """pi_ref under LoRA: the policy's own base weights, which never change, seen with its
+    adapters switched off for the pass: no second model in memory. It offers what batch_logps
+    uses of a model."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def eval(self):
+        self.policy.eval()
+
+    def get_decoder(self):
+        def without_adapters(**inputs):
+            with self.policy.disable_adapter():
+                return self.policy.get_decoder()(**inputs)
+        return without_adapters
+
+    def get_output_embeddings(self):
+        def without_adapters(h):
+            with self.policy.disable_adapter():
+                return self.policy.get_output_embeddings()(h)
+        return without_adapters
+
+
+def load_reference(policy, device: torch.device, args):
+    """pi_ref, the frozen starting model: with --lora-rank the policy with its adapters off, else a
+    second copy loaded from --model."""
+    if args.lora_rank:
+        return AdapterOff(policy)
+    return load_model(args.model, device, args, trainable=False)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS, the model's (Qwen lists
+    <|endoftext|> and <|im_end|>), and <|im_end|> whenever the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def autocast(args):
+    device_type = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(args.bf16))
+
+
+# ----- Data ----------------------------------------------------------------------------------
+def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None):
+    """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
+    --problem-column / --answer-column apply to the training set only."""
+    cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
+    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset
+    for r in rows:
+        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
+    ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    lengths = [len(x) for x in ids]
+    kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
+    if not kept:
+        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
+                        f"(context - max_new_tokens); lower --max-new-tokens")
+    if len(kept) < len(rows):
+        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+              f"{max_prompt_tokens} tokens")
+    return kept
+
+
+def load_data(args, tokenizer, ctx: int):
+    """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
+    prompt + completion within the model's context)."""
+    if args.max_new_tokens >= ctx:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                        f"this model's {ctx}-token context")
+    max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
+    if max_prompt + args.max_new_tokens > ctx:
+        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
+                        f"{args.max_new_tokens} "
+                        f"exceed this model's {ctx}-token context")
+    train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
+    if args.eval_dataset == "none":
+        print("no held-out evaluation (--eval-dataset none)")
+        return train_rows, []
+    eval_rows = load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, args.eval_n)
+    return train_rows, eval_rows
+
+
+# ----- Rollouts ------------------------------------------------------------------------------
+def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
+    never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
+    eos = torch.tensor(eos_ids, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)  # [B, T]
+    T = completion_ids.shape[1]
+    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # no EOS: valid to its end
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: the first 1
+    positions = torch.arange(T, device=completion_ids.device)[None, :]  # [1, T]
+    return (positions <= first_eos[:, None]).long()
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
+    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
+            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+
+
+@torch.no_grad()
+def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_ids, device) -> dict:
+    """Sample G completions per prompt with HF generate (KV cache on); row b belongs to
+    prompt b // G. Returns token tensors with the prompt left-padded and the completion masks."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
+    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
+    gen_cfg = GenerationConfig(  # every sampling setting written out: nothing else shapes it
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    model.eval()
+    chunks, n = [], args.gen_batch_size or len(prompt_ids)
+    for i in range(0, len(prompt_ids), n):
+        with autocast(args):
+            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
+                                 generation_config=gen_cfg)
+        chunks.append(out[:, prompt_ids.shape[1]:])
+    T = max(c.shape[1] for c in chunks)
+    padded = [F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
+    completion_ids = torch.cat(padded)  # [B, T]
+    mask = completion_mask(completion_ids, eos_ids)  # [B, T]
+    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
+    texts = decode_completions(tokenizer, completion_ids, mask)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                mask=mask, truncated=truncated, texts=texts,
+                prompts=[p for p in prompts for _ in range(G)])
+
+
+def model_inputs(batch, rows):
+    """Prompt + completion tokens of `rows` for one forward pass, trimmed to the columns these rows
+    use (prompts are left-padded, completions right-padded), so a micro-batch of short completions
+    is not padded to the batch's longest. Position ids follow the left padding, as in generate.
+    Returns input_ids, attention_mask, position_ids [b, Tp' + T'] and T', the completion width."""
+    prompt_mask, mask = batch["prompt_mask"][rows], batch["mask"][rows]
+    start = prompt_mask.shape[1] - int(prompt_mask.sum(1).max())  # first prompt column any row uses
+    T = int(mask.sum(1).max())  # the mask is 1 up to each row's EOS, then 0
+    input_ids = torch.cat([batch["prompt_ids"][rows, start:], batch["completion_ids"][rows, :T]], 1)
+    attention_mask = torch.cat([prompt_mask[:, start:], mask[:, :T]], 1)
+    return input_ids, attention_mask, (attention_mask.cumsum(1) - 1).clamp(min=0), T
+
+
+def micro_batches(batch, rows, size: int):
+    """`rows` split into micro-batches of at most `size` completions of similar length, so each
+    is padded only to its own longest. The loss of a mini-batch is a sum over its micro-batches,
+    so how they are grouped does not change the gradient."""
+    return rows[batch["mask"][rows].sum(1).argsort(stable=True)].split(size)
+
+
+# ----- Log-probs -----------------------------------------------------------------------------
+def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
+    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
+    extra(logits, ids) [N] (both no grad), from logits / temperature."""
+    logits = lm_head(h).float() / temperature  # [N, V]
+    logz = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
+    with torch.no_grad():
+        entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
+        extra_value = extra(logits, ids) if extra is not None else None
+    return logp, entropy, extra_value
+
+
+def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
+    """Log-prob of each completion token [b, T] and the entropy of the full next-token
+    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
+    distribution that was sampled. Position ids follow the left padding, as in generate.
+    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
+    positions at a time and is recomputed in the backward pass, so memory holds one chunk
+    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
+    Padded positions are 0 in every output."""
+    input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
+    ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
+    with autocast(args):
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids, use_cache=False).last_hidden_state
+    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+    lm_head, outs = model.get_output_embeddings(), []
+    for i in range(0, len(h), chunk):
+        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature,
+                  with_entropy, extra)
+        with autocast(args):
+            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+
+    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
+        if outs and outs[0][k] is None:
+            return None
+        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+        full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
+        zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
+        return zeros.masked_scatter(full, flat)
+    return scatter(0), scatter(1), scatter(2)
+
+
+@torch.no_grad()
+def batch_logps(model, batch: dict, args, extra=None):
+    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
+    model.eval()
+    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
+        zero = batch["mask"].float()
+        return zero, zero, zero if extra is not None else None
+    rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
+    mbs = micro_batches(batch, rows, args.micro_batch_size)
+    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
+    order = torch.cat(mbs).argsort()  # back to the batch's row order
+
+    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
+        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+    return joined(0), joined(1), joined(2)
+
+
+# ----- Evaluation, samples, metrics ----------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
+    """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
+    out = {}
+    for name, sample in (("greedy", False), ("sampled", True)):
+        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
+                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
+                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
+                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        correct, cut, n = 0, 0, args.gen_batch_size or 128
+        model.eval()
+        chunks = range(0, len(problems), n)
+        for i in tqdm(chunks, desc=f"eval ({name})", leave=False, dynamic_ncols=True):
+            chunk = problems[i:i + n]
+            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            with autocast(args):
+                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
+            texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
+            grades = [tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                      for t, p in zip(texts, chunk)]
+            correct += sum(g.correct for g in grades)
+            cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
+        out[f"eval/{name}_acc"] = correct / len(problems)
+        out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
+    return out
+
+
+def show_samples(step, batch, rewards, k=2):
+    tqdm.write(f"--- samples at step {step} ---")
+    for p, t, r in list(zip(batch["prompts"], batch["texts"], rewards.tolist()))[:k]:
+        tqdm.write(f"[reward {r:+.2f}] {p[-80:]!r} -> {t[:300]!r}")
+
+
+def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
+    m = batch["mask"].bool()
+    zero_std = rewards.view(-1, G).std(1) == 0  # [P]: groups that teach nothing
+    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
+            "unparsable_frac": 1 - parsed.mean().item(),
+            "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
+            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
+            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
+            "truncated_frac": batch["truncated"].float().mean().item()}
 
 
 def main(argv=None):

@@ -12,14 +12,184 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import random
 import re
 import signal
 import threading
+import time
 import zlib
 from pathlib import Path
 
+import common
 from common import UserError, first_line
+
+# =====================================================================================
+# Model names and folders
+# =====================================================================================
+# Short names a user can type without the organisation, e.g. `--model Qwen2.5-Math-1.5B`.
+HUB_ORGS_BY_PREFIX = {"Qwen": "Qwen", "DeepSeek": "deepseek-ai", "deepseek": "deepseek-ai",
+                      "Llama": "meta-llama", "OLMo": "allenai", "SmolLM": "HuggingFaceTB"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "spiece.model")
+
+
+def resolve_model_name(name: str) -> str:
+    """'tiny' -> the bundled folder; an existing path -> itself; 'Qwen2.5-Math-1.5B' ->
+    'Qwen/Qwen2.5-Math-1.5B'; 'org/name' -> unchanged (a hub id)."""
+    if name == "tiny":
+        return str(common.TINY_MODEL_DIR)
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    if "/" in name:
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise UserError(f"model folder {name!r} does not exist")
+        return name
+    for prefix, org in HUB_ORGS_BY_PREFIX.items():
+        if name.startswith(prefix):
+            return f"{org}/{name}"
+    raise UserError(f"unknown model {name!r}: give 'tiny', a local folder, a hub id such as "
+                    f"'Qwen/Qwen2.5-Math-1.5B', or a short Qwen name such as 'Qwen2.5-Math-1.5B'")
+
+
+def check_model_folder(path: str) -> None:
+    """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer: without its
+    tokenizer files (a checkpoint copied without them) transformers loads an empty tokenizer and
+    fails deep in generate."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return  # a hub id: the hub's errors are turned into one line where it is loaded
+    if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
+        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model "
+                        f"folder?")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"model folder {path!r} has no tokenizer files "
+                        f"({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
+                        f"trained from")
+
+
+def is_tiny(model_name: str) -> bool:
+    """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json):
+    both get the tiny presets."""
+    path = Path(resolve_model_name(model_name))
+    if (path / "adapter_config.json").is_file():  # a LoRA checkpoint: its base decides
+        adapter = json.loads((path / "adapter_config.json").read_text())
+        path = Path(adapter.get("base_model_name_or_path") or "")
+    if path.resolve() == common.TINY_MODEL_DIR.resolve():
+        return True
+    ref, cfg = common.TINY_MODEL_DIR / "config.json", path / "config.json"
+    if not (ref.is_file() and cfg.is_file()):
+        return False
+    a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
+    return all(a.get(k) == b.get(k)
+               for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"))
+
+
+def _safetensors_end(path: Path) -> int | None:
+    """The size a safetensors file has when whole, read from its header; None if it has none."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n > path.stat().st_size - 8:
+                return None
+            header = json.loads(fh.read(n))
+        return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                           default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def damaged_weights(folder: Path, recursive: bool = False) -> str | None:
+    """Why the safetensors weights in `folder` cannot be loaded whole (a file cut short by a copy,
+    a download or a disk that stopped), or None. Read from each file's header alone: it costs
+    nothing before a model loads, and spares the loader's traceback."""
+    folder = Path(folder)
+    for f in sorted(folder.rglob("*.safetensors") if recursive else folder.glob("*.safetensors")):
+        size, end = f.stat().st_size, _safetensors_end(f)
+        if end is None:
+            return f"the weights file {f} is cut short or is not safetensors ({size:,} bytes)"
+        if size < end:
+            return f"the weights file {f} is cut short ({size:,} of {end:,} bytes)"
+    return None
+
+
+# =====================================================================================
+# Presets: where a run's unset flags take their values
+# =====================================================================================
+# Where the flags left unset take their values: tiny, the bundled model; cpu, a real model on a
+# CPU (each value's reason: docs/real-models.md); gpu, the real run on one CUDA GPU. These are
+# GRPO's; a script changes only what its algorithm needs (presets()). lora_lr replaces lr under
+# --lora-rank: about 10x full fine-tuning's for real models (LoRA Without Regret, Thinking Machines
+# 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
+PRESETS = {"tiny": dict(dataset="tiny", template="tiny", eval_dataset="tiny",
+                        answer_extraction="boxed", prompts_per_step=16, group_size=8,
+                        max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4,
+                        num_mini_batches=2, micro_batch_size=64, eval_every=40, eval_n=256,
+                        save_every=80),
+           "cpu": dict(dataset="words", template="chat", eval_dataset="words",
+                       answer_extraction="math_verify", lora_rank=16, prompts_per_step=4,
+                       group_size=8, max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4,
+                       warmup_steps=2, num_mini_batches=2, micro_batch_size=16, gen_batch_size=64,
+                       eval_every=15, eval_n=128, save_every=15),
+           "gpu": dict(dataset="math", template="qwen_math", eval_dataset="math",
+                       answer_extraction="boxed", prompts_per_step=32, group_size=8,
+                       max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10,
+                       num_mini_batches=4, micro_batch_size=4, gen_batch_size=64, eval_every=50,
+                       eval_n=500, save_every=50),}
+
+
+def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:
+    """The house's PRESETS with a script's changes: `every` in all three, or by preset name.
+
+    >>> presets(gpu=dict(num_mini_batches=8))["gpu"]["num_mini_batches"]
+    8
+    """
+    return {name: {**base, **(every or {}), **changes.get(name, {})}
+            for name, base in PRESETS.items()}
+
+
+def apply_preset(args, presets: dict[str, dict], cuda: bool) -> None:
+    """Fill every field left at None from a script's preset: --preset, or by model and device
+    (auto: tiny for the bundled model and checkpoints of it, gpu for another model on CUDA, cpu
+    for another model on a CPU). A preset's lora_lr is its lr under --lora-rank."""
+    name = args.preset
+    if name == "auto":
+        name = "tiny" if is_tiny(args.model) else "gpu" if cuda else "cpu"
+    if name not in presets:
+        raise UserError(f"unknown --preset {args.preset!r}; choose from auto, {', '.join(presets)}")
+    args.preset, preset = name, dict(presets[name])
+    lora_lr, lora_rank = preset.pop("lora_lr"), preset.pop("lora_rank", 0)
+    args.lora_rank = lora_rank if args.lora_rank is None else args.lora_rank
+    if args.lora_rank:
+        preset["lr"] = lora_lr
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int = 2) -> None:
+    """What every script's resolve_args does first: the preset's values for the flags left unset
+    (apply_preset), bf16 and gradient checkpointing by default on CUDA only, the run's name, and
+    the batch's shape, checked with every common flag (check_args)."""
+    cuda = common.resolve_device(args.device).type == "cuda"
+    apply_preset(args, presets, cuda)
+    args.bf16 = cuda if args.bf16 is None else args.bf16
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = cuda
+    if args.run_name is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.run_name = f"{algo}-{Path(args.model).name}-s{args.seed}-{stamp}"
+    B = args.prompts_per_step * args.group_size
+    why = " (a group advantage needs 2 completions)" if min_group == 2 else ""
+    common.check_args(args, {
+        f"--group-size must be at least {min_group}{why}, not {args.group_size}":
+            args.group_size >= min_group,
+        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches":
+            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0,
+    })
+
+
 
 # =====================================================================================
 # The bundled tiny task: short multi-step arithmetic ending in \boxed{}
@@ -46,7 +216,8 @@ def tiny_task(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
     if split not in ("train", "test"):
         raise UserError(f"the tiny task has splits 'train' and 'test', not {split!r}")
     r = range(TINY_MAX_OPERAND + 1)
-    every = [tiny_example(a, o1, b, o2, c) for a in r for o1 in "+-" for b in r for o2 in "+-" for c in r]
+    every = [tiny_example(a, o1, b, o2, c) for a in r for o1 in "+-" for b in r for o2 in "+-"
+             for c in r]
     out = [e for e in every if tiny_is_heldout(e["problem"]) == (split == "test")]
     random.Random(f"tiny-{split}-{seed}").shuffle(out)
     return out[:n]
@@ -56,12 +227,13 @@ def tiny_task(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
 # Word problems for real chat models: one to three steps in plain English, integer answers
 # =====================================================================================
 NAMES = ("Tom", "Anna", "Ravi", "Mia", "Leo", "Sara", "Omar", "Yuki", "Ben", "Lena", "Kofi", "Ines")
-ITEMS = ("apples", "marbles", "books", "stickers", "coins", "pencils", "cookies", "stamps", "shells", "cards")
+ITEMS = ("apples", "marbles", "books", "stickers", "coins", "pencils", "cookies", "stamps",
+         "shells", "cards")
 
 
 def word_problem(rng: random.Random) -> dict:
     """A person starts with some items, then one to three events change the count; the question
-    asks for the count at the end. Every count is a whole number; half the problems take one step."""
+    asks for the count at the end. Every count is whole; half the problems take one step."""
     name, friend = rng.sample(NAMES, 2)
     item = rng.choice(ITEMS)
     n = rng.randint(2, 20)
@@ -70,14 +242,15 @@ def word_problem(rng: random.Random) -> dict:
         kind = rng.choice(("gain", "lose", "bags", "double", "share"))
         if kind == "gain":
             k = rng.randint(1, 10)
-            text.append(rng.choice((f"{friend} gives {name} {k} more.", f"Then {name} finds {k} more {item}.",
+            text.append(rng.choice((f"{friend} gives {name} {k} more.",
+                                    f"Then {name} finds {k} more {item}.",
                                     f"{name} buys {k} more {item}.")))
             steps.append(f"{n} + {k} = {n + k}")
             n += k
         elif kind == "lose" and n >= 2:
             k = rng.randint(1, n - 1)
-            text.append(rng.choice((f"{name} gives {k} of them to {friend}.", f"Then {name} loses {k} {item}.",
-                                    f"{name} sells {k} {item}.")))
+            text.append(rng.choice((f"{name} gives {k} of them to {friend}.",
+                                    f"Then {name} loses {k} {item}.", f"{name} sells {k} {item}.")))
             steps.append(f"{n} - {k} = {n - k}")
             n -= k
         elif kind == "bags":
@@ -93,7 +266,8 @@ def word_problem(rng: random.Random) -> dict:
             d = rng.choice([d for d in (2, 3, 4, 5) if n % d == 0] or [1])
             if d == 1:
                 continue
-            text.append(f"{name} shares the {item} equally with {d - 1} friends and keeps one share.")
+            text.append(f"{name} shares the {item} equally with {d - 1} friends and keeps one "
+                        f"share.")
             steps.append(f"{n} / {d} = {n // d}")
             n //= d
     if not steps:  # every event was skipped: one addition, so each problem has a step
@@ -102,7 +276,8 @@ def word_problem(rng: random.Random) -> dict:
         steps.append(f"{n} + {k} = {n + k}")
         n += k
     text.append(f"How many {item} does {name} have now?")
-    return {"problem": " ".join(text), "solution": "\n".join(steps) + f"\nThe answer is {n}.", "answer": str(n)}
+    return {"problem": " ".join(text), "solution": "\n".join(steps) + f"\nThe answer is {n}.",
+            "answer": str(n)}
 
 
 def word_problems(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
@@ -126,7 +301,8 @@ GENERATED = {"tiny": tiny_task, "words": word_problems}  # the tasks made here, 
 # Prompt templates
 # =====================================================================================
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-CHAT_INSTRUCTION = "Write the calculation, then: The answer is <number>."  # "step by step" made it ramble
+# "step by step" made it ramble
+CHAT_INSTRUCTION = "Write the calculation, then: The answer is <number>."
 TEMPLATES = ("qwen_math", "tiny", "plain", "chat")
 
 
@@ -141,7 +317,8 @@ def build_prompt(tokenizer, problem: str, template: str) -> str:
     if template == "qwen_math":
         if not has_chat:
             return f"{problem}\n{QWEN_MATH_SYSTEM}\n"
-        msgs = [{"role": "system", "content": QWEN_MATH_SYSTEM}, {"role": "user", "content": problem}]
+        msgs = [{"role": "system", "content": QWEN_MATH_SYSTEM},
+                {"role": "user", "content": problem}]
     elif template == "tiny":
         if not has_chat:
             return f"{problem}\n"
@@ -151,7 +328,8 @@ def build_prompt(tokenizer, problem: str, template: str) -> str:
     elif template == "chat":
         if not has_chat:
             return f"{problem}\n{CHAT_INSTRUCTION}\n"
-        msgs = [{"role": "system", "content": CHAT_INSTRUCTION}, {"role": "user", "content": problem}]
+        msgs = [{"role": "system", "content": CHAT_INSTRUCTION},
+                {"role": "user", "content": problem}]
     else:
         raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}")
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -173,10 +351,12 @@ for _short, _spec in list(HUB_DATASETS.items()):
 def load_problems(dataset: str, split: str = "train", problem_column: str | None = None,
                   answer_column: str | None = None, answer_from_boxed: bool | None = None,
                   limit: int | None = None, seed: int = 0) -> list[dict]:
-    """A list of {'problem', 'answer'} from: 'tiny' or 'words' (generated), a short name or hub id in
-    HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file."""
+    """A list of {'problem', 'answer'} from: 'tiny' or 'words' (generated), a short name or hub id
+    in HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file."""
     if dataset in GENERATED:
-        return [{"problem": e["problem"], "answer": e["answer"]} for e in GENERATED[dataset](split, limit, seed)]
+        made = GENERATED[dataset](split, limit, seed)
+        rows = [{"problem": e["problem"], "answer": e["answer"]} for e in made]
+        return _noted(dataset, split, rows)
     import datasets as hf_datasets  # heavy import, only when needed
 
     config, boxed = None, False
@@ -190,7 +370,8 @@ def load_problems(dataset: str, split: str = "train", problem_column: str | None
         if path.suffix in (".jsonl", ".json", ".parquet"):
             if not path.is_file():
                 raise UserError(f"dataset file {dataset!r} does not exist")
-            if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_text().strip()):
+            if path.stat().st_size == 0 or (path.suffix != ".parquet"
+                                            and not path.read_text().strip()):
                 raise UserError(f"dataset file {dataset!r} is empty")
             kind = "parquet" if path.suffix == ".parquet" else "json"
             ds = hf_datasets.load_dataset(kind, data_files=str(path), split="train")
@@ -202,7 +383,8 @@ def load_problems(dataset: str, split: str = "train", problem_column: str | None
     except UserError:
         raise
     except Exception as e:  # hub errors, bad files: one line, not a deep traceback
-        raise UserError(f"cannot load dataset {dataset!r} (split {split!r}): {first_line(e)}") from None
+        raise UserError(f"cannot load dataset {dataset!r} (split {split!r}): "
+                        f"{first_line(e)}") from None
     missing = [c for c in (p_col, a_col) if c not in ds.column_names]
     if missing:
         raise UserError(f"dataset {dataset!r} has no column {missing[0]!r} (columns: "
@@ -218,17 +400,33 @@ def load_problems(dataset: str, split: str = "train", problem_column: str | None
     if not rows:
         raise UserError(f"dataset {dataset!r} has no rows with both a problem and an answer")
     if dropped:
-        print(f"{dataset}: dropped {dropped} of {len(rows) + dropped} rows with no problem or no answer")
+        print(f"{dataset}: dropped {dropped} of {len(rows) + dropped} rows with no problem or no "
+              f"answer")
     if limit is not None and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
+    return _noted(dataset, split, rows)
+
+
+# The data set and a fingerprint of the rows load_problems last returned, by split: PromptSampler
+# saves the training split's with a run, so that --resume can tell the data has changed since.
+LOADED: dict[str, tuple[str, str]] = {}
+
+
+def _noted(dataset: str, split: str, rows: list[dict]) -> list[dict]:
+    digest = hashlib.sha256()
+    for r in rows:
+        digest.update(f"{r['problem']}\0{r['answer']}\0".encode())
+    LOADED[split] = (dataset, digest.hexdigest()[:16])
     return rows
 
 
 class PromptSampler:
-    """Endless shuffled passes over a list of problems; its state saves and restores exactly."""
+    """Endless shuffled passes over a list of problems; its state saves and restores exactly,
+    with the number of problems and the fingerprint of the training rows (LOADED["train"])."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self.data = LOADED.get("train")  # (data set, fingerprint) of the rows last loaded to train
         self._perm = self._permutation()
 
     def _permutation(self) -> list[int]:
@@ -247,9 +445,21 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "data": self.data}
 
     def load_state_dict(self, state: dict) -> None:
+        """A run resumed on other training data would pick other problems at the saved positions
+        (or none: an IndexError): one line instead, as soon as the count or the rows differ."""
+        n, data = state.get("n"), state.get("data")
+        why = None
+        if (n is not None and n != self.n) or state["pos"] > self.n:
+            why = f"it has {self.n} rows now, the run had {n if n is not None else 'more'}"
+        elif data and self.data and data[1] != self.data[1]:
+            why = "its rows differ from those the run was trained on (their fingerprint changed)"
+        if why:
+            name = f" ({self.data[0]})" if self.data else ""
+            raise UserError(f"the training data{name} no longer matches the run: {why}; restore "
+                            f"the data it was trained on, or start a new run")
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._perm = self._permutation()
 
@@ -258,7 +468,8 @@ class PromptSampler:
 # The grader: math-verify behind a time bound, never executing model text
 # =====================================================================================
 def boxed_answers(text: str) -> list[str]:
-    """Contents of every \\boxed{...} (or \\fbox{...}) in order, braces matched; unclosed ones skipped."""
+    """Contents of every \\boxed{...} (or \\fbox{...}) in order, braces matched, unclosed ones
+    skipped."""
     out, pos = [], 0
     while True:
         starts = [i for i in (text.find("\\boxed{", pos), text.find("\\fbox{", pos)) if i >= 0]
@@ -302,7 +513,8 @@ class Grade:
     pred: str | None
 
 
-def _verify_latex(gold: str, pred: str, timeout_s: int, free_text: bool = False) -> tuple[bool, bool]:
+def _verify_latex(gold: str, pred: str, timeout_s: int,
+                  free_text: bool = False) -> tuple[bool, bool]:
     """math-verify on `pred`, read as the content of a box, or (free_text) as a whole completion
     whose final answer math-verify finds itself."""
     from math_verify import parse, verify
@@ -326,7 +538,8 @@ def _close_pool() -> None:
         _POOL.shutdown(wait=False, cancel_futures=True)
 
 
-def _verify_in_subprocess(gold: str, pred: str, timeout_s: int, free_text: bool) -> tuple[bool, bool]:
+def _verify_in_subprocess(gold: str, pred: str, timeout_s: int,
+                          free_text: bool) -> tuple[bool, bool]:
     """Off the main thread SIGALRM cannot interrupt math-verify, so a worker process runs it
     and is killed if it overruns."""
     global _POOL
@@ -343,7 +556,8 @@ def _verify_in_subprocess(gold: str, pred: str, timeout_s: int, free_text: bool)
         return False, True
 
 
-def math_equal(gold: str, pred: str, timeout_s: int = 5, free_text: bool = False) -> tuple[bool, bool]:
+def math_equal(gold: str, pred: str, timeout_s: int = 5,
+               free_text: bool = False) -> tuple[bool, bool]:
     """(correct, parsed): math_verify.verify(gold, pred), bounded to about `timeout_s` seconds per
     parse and per comparison wherever it runs. Plain integers on both sides are compared
     directly (math-verify gives the same verdict, 1000x faster)."""

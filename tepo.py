@@ -1,58 +1,37 @@
 """TEPO, Token-level Policy Optimization, in one file.
 
-Paper: "Token-Level Policy Optimization: Linking Group-Level Rewards to Token-Level
-Aggregation via Sequence-Level Likelihood", arXiv 2510.09369 (v1) / 2604.12736 (v2), ACL 2026.
-The objectives of every script in this project, and every choice we had to make, are explained
-in docs/objectives.md.
+Paper: "Token-Level Policy Optimization: Linking Group-Level Rewards to Token-Level Aggregation
+via Sequence-Level Likelihood", arXiv 2510.09369 / 2604.12736, ACL 2026. What the abstract says,
+what others read into it, and how we chose, in docs/objectives.md.
 
-    python tepo.py                                # bundled tiny model + arithmetic task, CPU, ~4 min
-    python tepo.py --model Qwen2.5-Math-1.5B      # the real run: one CUDA GPU, DAPO-Math-17k
-    python tepo.py --resume runs/<run-name>       # continue a stopped run exactly where it stopped
+    python tepo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python tepo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, DAPO-Math-17k
+    python tepo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>/checkpoint-<step>
 
-What the abstract states: TEPO changes GRPO (grpo.py) in two ways. (1) It uses the
-sequence-level likelihood (the product of token probabilities) to link the group-level reward to
-individual tokens through token-level aggregation. (2) It adds a token-level KL-divergence mask
-that constrains only tokens with a positive advantage and decreasing entropy, against abrupt
-policy updates and entropy collapse. Third-party readings of the full text add that (1) is a
-geometric-mean importance ratio, and that the mask rests (Sec. 3.2, Lemma 3.2) on the sign of
-the entropy gradient along the update direction: whether the update *will* lower the entropy.
-
-How this script turns that into formulas is OUR READING, not the paper's text:
-- Sequence ratio, the geometric mean of the token ratios of completion i (our reading):
-      log s_i = sum_t (logp_it - old_logp_it) m_it / sum_t m_it
-  carried to every token without changing its value, so each token's gradient is weighted by
-  the sequence ratio rather than its own:  log s_it = sg(log s_i) + logp_it - sg(logp_it).
-- Policy term, token-mean over the whole mini-batch (the "token-level aggregation"):
-      l_pg = -min(s_it * A_i, clip(s_it, 1 - eps_low, 1 + eps_high) * A_i),  clip 3e-4 / 4e-4 (our reading)
-  The clip is GSPO's range for the same length-normalised ratio (Zheng et al. 2025, arXiv
-  2507.18071, Sec. 5.1): a geometric mean moves orders of magnitude less than a token ratio, and
-  under PPO's 0.2 / 0.28 the clip never bound (docs/study/README.md). Chosen by the rule of
-  docs/study/PLAN.md on development seeds; TEPO's own range is not known to us.
-- KL mask M_it = [A_i > 0] * D_it * m_it, "entropy decreasing" D_it by --entropy-test:
-  predicted (default, our reading of Lemma 3.2): a policy-gradient step on A log p_k moves the
-  logits by dz ~ A (onehot_k - p); with dH/dz_j = -p_j (log p_j + H) that changes the entropy by
-      dH ~ -A c_it,   c_it = p_k (log p_k + H) - sum_j p_j^2 (log p_j + H),
-  so for A > 0 the entropy falls where c_it > 0. c comes from the sampling policy, in the same
-  pass as its entropy: no recomputation noise, and the mask is active from the first update.
-  observed: the entropy now is below the entropy at sampling by more than --entropy-tol.
-- KL term: kl_coef * M_it * k3(ref_logp_it, logp_it), token-mean over the same denominator,
-  kl_coef = 0.04 as GRPO's beta (our reading).
-- Flags for the uncertain parts, and only those: --entropy-test, --ratio-level {sequence,token},
-  --entropy-baseline {old,ref} (observed test), --kl-target {ref,old}, --kl-coef, and
-  --loss-agg {token-mean,seq-mean-token-mean}: token-mean is our reading of the aggregation;
-  GRPO's per-completion mean is under study on a real model (docs/study/PLAN-real.md).
-Real-model preset, after the paper's setup where one GPU allows: G = 8, 8 optimizer updates
-per rollout batch, DAPO-Math-17k. Not kept: 64 prompts per batch (32 here), 8192-token
-completions (Qwen2.5-Math-1.5B's context is 4096), the 7B / 14B models.
-The file runs in pipeline order: arguments, model, data,
-rollouts, reward, advantage, loss, training loop. Lines marked with an algorithm's name in the
-other scripts (e.g. `# TEPO:`) are where they differ from this one.
+TEPO changes GRPO (grpo.py) in two ways, by its abstract: (1) the sequence-level likelihood links
+the group's reward to the tokens through token-level aggregation; (2) a token-level KL mask
+constrains only tokens with a positive advantage and decreasing entropy. As formulas, OUR READING:
+- Sequence ratio s_i, the geometric mean of the token ratios, carried to every token with the
+  token's own gradient:  log s_i = sum_t (logp_it - old_logp_it) m_it / sum_t m_it,
+  log s_it = sg(log s_i) + logp_it - sg(logp_it)                        (--ratio-level token: off)
+- l_it = -min(s_it A_i, clip(s_it, 1 - 3e-4, 1 + 4e-4) A_i) + kl_coef M_it k3(ref_it, logp_it),
+  GSPO's clip range for a length-normalised ratio (arXiv 2507.18071, Sec. 5.1), chosen by a
+  pre-registered study; TEPO's own range is unknown to us.
+- Aggregation token-mean: sum_it l_it m_it / sum_it m_it over the mini-batch (--loss-agg
+  seq-mean-token-mean, GRPO's, is under study on a real model: docs/study/PLAN-real.md).
+- KL mask M_it = [A_i > 0] [entropy falls] m_it. "Falls", --entropy-test predicted (our reading
+  of Lemma 3.2): a step on A log p_k changes the entropy by about -A c_it, with
+      c_it = p_k (log p_k + H) - sum_j p_j^2 (log p_j + H)
+  from the sampling policy, so for A > 0 it falls where c_it > 0; observed: it fell since sampling.
+- kl_coef = 0.04, GRPO's beta (our reading). The flags are the uncertain parts, and only those.
+The real-run preset follows the paper where one GPU allows: DAPO-Math-17k, G = 8, 8 updates per
+rollout batch (not its 64 prompts a batch, 8192 tokens, or 7B / 14B models). Below the banner
+"The skeleton" the file is grpo.py's, line for line; lines marked `# TEPO:` differ from grpo.py.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,126 +50,41 @@ ALGO = "tepo"
 
 
 # =====================================================================================
-# Arguments
+# Arguments: TEPO's own flags (the run's, the same in every script, are common.RunArgs)
 # =====================================================================================
 @dataclass
-class Args:
-    # --- model and data ---
-    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
-    dataset: str | None = arg(None, "tiny, words, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file")
-    problem_column: str | None = arg(None, "column holding the problem (default: known, else 'problem')")
-    answer_column: str | None = arg(None, "column holding the answer (default: known, else 'answer')")
-    template: str | None = arg(None, "prompt template: qwen_math, tiny, plain or chat")
-    eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
-    answer_extraction: str | None = arg(None, "final answer: the last \\boxed{}, or math-verify's own "
-                                        "extraction from free text", choices=list(common.ANSWER_EXTRACTIONS))
-    trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
-    preset: str = arg("auto", "where unset flags take their values: tiny (the bundled model), cpu (a real model "
-                      "on a CPU), gpu (the real run on one GPU); auto picks by --model and --device",
-                      choices=["auto", *common.PRESETS])
-    # --- rollouts ---
-    prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
-    group_size: int = arg(8, "G, completions sampled per prompt (at least 2)")
-    max_new_tokens: int | None = arg(None, "completion length cap")
-    max_prompt_tokens: int | None = arg(None, "longer prompts are dropped (default: context - max_new_tokens)")
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
-    top_p: float = arg(1.0, "nucleus sampling; keep 1.0 so log-probs describe the sampling distribution")
-    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all at once)")
-    # --- objective ---
-    clip_low: float = arg(3e-4, "eps_low: the ratio is clipped below at 1 - eps_low (our reading: GSPO's "
-                          "range for a sequence ratio; with --ratio-level token pass 0.2)")  # TEPO
-    clip_high: float = arg(4e-4, "eps_high: the ratio is clipped above at 1 + eps_high (our reading: GSPO's "
-                           "range; with --ratio-level token pass 0.28)")  # TEPO
-    ratio_level: str = arg("sequence", "sequence: the geometric-mean ratio carried to every token (our "
-                           "reading of TEPO); token: per-token ratios", choices=["sequence", "token"])  # TEPO
-    entropy_test: str = arg("predicted", "KL mask's 'entropy decreasing': predicted from the sign of c "
-                            "(our reading of Lemma 3.2) or observed since sampling",
-                            choices=["predicted", "observed"])  # TEPO
-    entropy_tol: float | None = arg(None, "observed test: the entropy must have fallen by more than this "
-                                    "(default 1e-3 in fp32, 0.05 under bf16: above recomputation noise)")  # TEPO
-    entropy_baseline: str = arg("old", "observed test compares with: old (the sampling policy) or ref",
-                                choices=["old", "ref"])  # TEPO
+class Args(common.RunArgs):
+    clip_low: float = arg(3e-4, "eps_low: the ratio is clipped below at 1 - eps_low (our reading: "
+                          "GSPO's range for a sequence ratio; with --ratio-level token pass 0.2)")
+    clip_high: float = arg(4e-4, "eps_high: the ratio is clipped above at 1 + eps_high (our "
+                           "reading: GSPO's; with --ratio-level token pass 0.28)")
+    kl_coef: float = arg(0.04, "coefficient of the masked KL term (our reading: GRPO's beta)")
+    ratio_level: str = arg("sequence", "sequence: the geometric-mean ratio carried to every token "
+                           "(our reading); token: per-token ratios", choices=["sequence", "token"])
+    loss_agg: str = arg("token-mean", "token-mean over the mini-batch's tokens (our reading of "
+                        "'token-level aggregation'), or GRPO's seq-mean-token-mean (under study)",
+                        choices=["token-mean", "seq-mean-token-mean"])
+    entropy_test: str = arg("predicted", "the mask's 'entropy decreasing': predicted from the sign "
+                            "of c (our reading of Lemma 3.2) or observed since sampling",
+                            choices=["predicted", "observed"])
+    entropy_tol: float | None = arg(None, "observed test: the entropy must fall by more than this "
+                                    "(default 1e-3 in fp32, 0.05 under bf16: above the noise)")
+    entropy_baseline: str = arg("old", "observed test compares with: old (the sampling policy) or "
+                                "ref", choices=["old", "ref"])
     kl_target: str = arg("ref", "the masked KL pulls towards ref (the starting model) or old (the "
-                         "sampling policy)", choices=["ref", "old"])  # TEPO
-    kl_coef: float = arg(0.04, "coefficient of the masked KL term (our reading: GRPO's beta)")  # TEPO
-    loss_agg: str = arg("token-mean", "how the per-token losses are averaged: token-mean over the mini-batch's "
-                        "tokens (our reading of TEPO's 'token-level aggregation'), or seq-mean-token-mean, "
-                        "GRPO's mean of per-completion means (an ablation)",
-                        choices=["token-mean", "seq-mean-token-mean"])  # TEPO
-    # --- optimisation ---
-    steps: int | None = arg(None, "rollout batches to train on")
-    lr: float | None = arg(None, "AdamW learning rate")
-    warmup_steps: int | None = arg(None, "linear lr warm-up in optimizer steps, then constant")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
-    num_mini_batches: int | None = arg(None, "optimizer steps per rollout batch (shuffled mini-batches)")
-    ppo_epochs: int = arg(1, "passes over the rollout batch")
-    micro_batch_size: int | None = arg(None, "completions per forward/backward (gradients accumulate)")
-    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
-    gradient_checkpointing: bool | None = arg(None, "recompute activations in the update (default: on CUDA)")
-    bf16: bool | None = arg(None, "compute in bf16 autocast over fp32 weights (default: on CUDA)")
-    # --- LoRA (PEFT) ---
-    lora_rank: int | None = arg(None, "LoRA rank r: train low-rank adapters on a frozen base; 0 = full "
-                                "fine-tuning (the tiny and gpu presets' default; the cpu preset's is 16)")
-    lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
-    lora_target_modules: str = arg("all-linear", "modules that get an adapter: all-linear (every linear layer "
-                                   "of the transformer blocks, MLPs included) or a comma list, e.g. q_proj,v_proj")
-    # --- run ---
-    seed: int = arg(1, "seed for data order, sampling and init")
-    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
-    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
-    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
-    eval_every: int | None = arg(None, "held-out evaluation every N steps, and at the first and last")
-    eval_n: int | None = arg(None, "held-out problems per evaluation (the same ones whatever --seed)")
-    save_every: int | None = arg(None, "checkpoint every N steps, and at the end")
-    keep_checkpoints: int = arg(2, "most recent checkpoints kept (only the newest keeps the optimizer)")
-    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
-    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
-    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
-    resume: str | None = arg(None, "a run folder or checkpoint to continue from, in place, with its saved "
-                             "arguments (only --steps, --device, --save-every, --keep-checkpoints, "
-                             "--sample-every and --tensorboard may change)")
+                         "sampling policy)", choices=["ref", "old"])
 
 
-# The three presets, picked by --preset or by model and device (common.apply_preset): tiny, the
-# bundled model; cpu, a real model on a CPU; gpu, the real run on one CUDA GPU.
-# lora_lr replaces lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without
-# Regret, Thinking Machines 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
-TINY_DEFAULTS = dict(dataset="tiny", template="tiny", eval_dataset="tiny", answer_extraction="boxed",
-                     prompts_per_step=16, max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4,
-                     num_mini_batches=2, micro_batch_size=64, eval_every=40, eval_n=256, save_every=80)
-# cpu, each value's reason (SmolLM2-135M-Instruct on 2 cores; docs/real-models.md): word problems
-# through the chat template, read by math-verify (a task a 135M chat model can start on, offline);
-# 64 new tokens (a right answer takes 15-30; at 96 the model rambled to the cap, 82% cut off); 4
-# prompts x 8 (32 completions keep a step near 50 s; 8 give a group a chance of one right answer at
-# a 6% start); LoRA rank 16 at 3e-4 (10x full's 3e-5; the reference is the adapters switched off, no
-# second model); 60 steps, 128 held-out problems every 15 (an hour on 2 cores, ~2 min an evaluation).
-CPU_DEFAULTS = dict(dataset="words", template="chat", eval_dataset="words", answer_extraction="math_verify",
-                    lora_rank=16, prompts_per_step=4, max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4,
-                    warmup_steps=2, num_mini_batches=2, micro_batch_size=16, gen_batch_size=64, eval_every=15,
-                    eval_n=128, save_every=15)
-REAL_DEFAULTS = dict(dataset="dapo-math", template="qwen_math", eval_dataset="math", answer_extraction="boxed",
-                     prompts_per_step=32, max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10,
-                     num_mini_batches=8, micro_batch_size=4, gen_batch_size=64, eval_every=50, eval_n=500,
-                     save_every=50)
+# TEPO: the paper's data set and 8 updates per rollout batch
+PRESETS = tasks.presets(gpu=dict(dataset="dapo-math", num_mini_batches=8))
 
 
 def resolve_args(args: Args) -> Args:
-    """Fill every field left at None from the preset that fits the model, then check them all."""
-    cuda = common.resolve_device(args.device).type == "cuda"
-    common.apply_preset(args, {"tiny": TINY_DEFAULTS, "cpu": CPU_DEFAULTS, "gpu": REAL_DEFAULTS}, cuda)
-    args.bf16 = cuda if args.bf16 is None else args.bf16
-    args.gradient_checkpointing = cuda if args.gradient_checkpointing is None else args.gradient_checkpointing
+    """The preset's value for every flag left unset, then every flag checked."""
+    tasks.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     if args.entropy_tol is None:  # TEPO: above the noise of recomputing the same entropies
         args.entropy_tol = 0.05 if args.bf16 else 1e-3
-    if args.run_name is None:
-        args.run_name = f"{ALGO}-{Path(args.model).name}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    B = args.prompts_per_step * args.group_size
     common.check_args(args, {
-        f"--group-size must be at least 2 (a group advantage needs 2 completions), not {args.group_size}":
-            args.group_size >= 2,
-        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches":
-            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0,
         f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
         f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
         f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
@@ -199,13 +93,265 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
+def needs_reference(args: Args) -> bool:
+    """pi_ref, the frozen starting model, for the masked KL to ref, or for the observed entropy
+    test against ref's entropy. TEPO: kl_target old, or kl_coef 0, does without it."""
+    kl_to_ref = args.kl_coef > 0 and args.kl_target == "ref"
+    return kl_to_ref or (args.entropy_test == "observed" and args.entropy_baseline == "ref")
+
+
 # =====================================================================================
-# Model
+# Reward
 # =====================================================================================
+def reward_fn(texts: list[str], answers: list[str], args):
+    """GRPO's outcome reward: r_i = 1 if the completion's final answer equals the reference
+    answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
+    math_verify: math-verify finds it in free text instead); it is compared with math-verify,
+    gold first, each parse and comparison time-bounded, and model text is never executed."""
+    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+              for t, a in zip(texts, answers)]
+    correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
+    parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
+    return correct.clone(), correct, parsed
+
+
+# =====================================================================================
+# Advantage
+# =====================================================================================
+def group_advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.Tensor:
+    """[B] -> [B]: A_i = (r_i - mean_g r) / (std_g r + eps), std with Bessel's correction over
+    the G completions of one prompt. An all-equal group gives exactly 0 (its numerator is 0)."""
+    r = rewards.view(-1, G)
+    if r.shape[0] == 0:  # an empty batch: nothing to normalise
+        return rewards.clone()
+    A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
+    return A.view(-1)
+
+
+# =====================================================================================
+# Loss
+# =====================================================================================
+def k3_kl(q_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || q) per token: exp(d) - d - 1 >= 0, with
+    d = q_logp - logp."""
+    d = q_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def token_mean(l: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """sum_it l_it m_it / num_tokens, with num_tokens counted over the whole mini-batch before
+    the micro-batch loop, so the sum over micro-batches equals the unsplit token-mean. Padding
+    is selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
+    return torch.where(mask.bool(), l, 0.0).sum() / num_tokens
+
+
+def seq_mean_token_mean(l: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """sum_i ( sum_t l_it m_it / sum_t m_it ) / num_seqs. num_seqs is the size of the whole
+    mini-batch, so summing this over its micro-batches gives the unsplit value. Padding is
+    selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
+    m = mask.bool()
+    per_seq = torch.where(m, l, 0.0).sum(1) / m.sum(1).clamp(min=1)
+    return per_seq.sum() / num_seqs
+
+
+def carried_log_ratio(logp, old_logp, mask, ratio_level: str = "sequence") -> torch.Tensor:
+    """[B, T] log-ratio used on each token. 'token': logp - old_logp. 'sequence' (our reading):
+    log s_i = the mean over valid tokens of logp - old_logp, carried as
+    sg(log s_i) + logp - sg(logp): its value is log s_i on every token and d/d logp_it is 1
+    (each token keeps its own gradient)."""
+    log_ratio = logp - old_logp
+    if ratio_level == "token":
+        return log_ratio
+    m = mask.bool()
+    lengths = m.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+    log_s = torch.where(m, log_ratio, 0.0).sum(1, keepdim=True) / lengths  # [B, 1]
+    return log_s.detach() + logp - logp.detach()
+
+
+def entropy_change_c(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[N, V] logits / temperature of the sampling policy, [N] sampled ids -> c [N] (our reading
+    of Lemma 3.2): c = p_k (log p_k + H) - sum_j p_j^2 (log p_j + H). A policy-gradient step on
+    A log p_k changes the entropy by about -A c, so for A > 0 the entropy falls where c > 0.
+
+    >>> logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.7, 0.2, 0.1]]))
+    >>> c = entropy_change_c(logits, torch.tensor([0, 2]))  # the likely token, then a rare one
+    >>> [round(x, 3) for x in c.tolist()]
+    [0.141, -0.321]
+    """
+    logp_all = torch.log_softmax(logits.float(), -1)  # [N, V]
+    p = logp_all.exp()
+    H = -(p * logp_all).sum(-1, keepdim=True)  # [N, 1]
+    k = ids[:, None]
+    own = p.gather(-1, k) * (logp_all.gather(-1, k) + H)  # [N, 1]: p_k (log p_k + H)
+    return (own - (p * p * (logp_all + H)).sum(-1, keepdim=True)).squeeze(-1)
+
+
+def kl_mask(advantages, entropy_falls, mask) -> torch.Tensor:
+    """[B, T] bool, TEPO's KL mask: a positive advantage, decreasing entropy (entropy_falls
+    [B, T] bool, from --entropy-test), and a valid completion token."""
+    return (advantages[:, None] > 0) & entropy_falls & mask.bool()
+
+
+def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M,
+              clip_low=3e-4, clip_high=4e-4, kl_coef=0.04, ratio_level="sequence",
+              loss_agg="token-mean", num_tokens=None, num_seqs=None):
+    """TEPO loss (our reading), aggregated token-mean (loss_agg="seq-mean-token-mean": as
+    GRPO). Copy it with k3_kl, token_mean, seq_mean_token_mean, carried_log_ratio (and kl_mask,
+    entropy_change_c to build M); it needs nothing but torch.
+
+    logp       [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
+    old_logp   [B, T]  the same under the policy that sampled the batch (no grad)
+    kl_logp    [B, T]  the same under the KL target (reference or old policy); unused at kl_coef 0
+    advantages [B]     one group-relative advantage per completion
+    mask       [B, T]  1 on completion tokens through the first EOS
+    M          [B, T]  bool, the KL mask (kl_mask)
+    num_tokens         valid tokens in the whole mini-batch (default: this mask's), for token-mean
+    num_seqs           completions in the whole mini-batch (default B), for seq-mean-token-mean
+
+    >>> logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.0]])  # log-ratios 0.2, 0
+    >>> A, m, M = torch.tensor([1.0]), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool)
+    >>> round(tepo_loss(logp, old, old, A, m, M).item(), 4)  # s = e^0.1, clipped at 1 + 4e-4
+    -1.0004
+    >>> round(tepo_loss(logp, old, old, A, m, M, clip_high=0.28).item(), 4)  # inside PPO's range
+    -1.1052
+    """
+    A = advantages[:, None]  # [B, 1]
+    s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))  # [B, T]
+    pg = -torch.min(s * A, torch.clamp(s, 1 - clip_low, 1 + clip_high) * A)
+    kl = k3_kl(kl_logp, logp) if kl_coef > 0 else torch.zeros_like(logp)
+    l = pg + kl_coef * torch.where(M, kl, 0.0)  # [B, T]
+    if loss_agg == "seq-mean-token-mean":
+        return seq_mean_token_mean(l, mask, num_seqs or logp.shape[0])
+    return token_mean(l, mask, mask.sum() if num_tokens is None else num_tokens)
+
+
+@torch.no_grad()
+def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3e-4,
+               clip_high=4e-4, ratio_level="sequence") -> dict:
+    """What to watch: the share of tokens the mask selects, their entropy against the others',
+    the KL on them and on all tokens, the spread of sequence ratios, and the share of active
+    clips. (Where the KL sits, by sign, position and mask, is tools/diagnostics.py's.)"""
+    A, m = advantages[:, None], mask.bool()
+    s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))
+    clipped = ((s > 1 + clip_high) & (A > 0)) | ((s < 1 - clip_low) & (A < 0))
+    n, n_masked, other = m.sum().clamp(min=1), M.sum().clamp(min=1), m & ~M
+    rows = m.any(1)
+    seq = torch.ones(1)
+    if rows.any():  # one sequence ratio per completion that has a token
+        seq = torch.exp(carried_log_ratio(logp, old_logp, mask, "sequence")[:, 0][rows])
+    kl = k3_kl(kl_logp, logp) if kl_logp is not None else torch.zeros_like(logp)
+    stats = {"mask_frac": M.sum() / n,
+             "masked_entropy": torch.where(M, entropy, 0.0).sum() / n_masked,
+             "other_entropy": torch.where(other, entropy, 0.0).sum() / other.sum().clamp(min=1),
+             "seq_ratio_min": seq.min(), "seq_ratio_max": seq.max(),
+             "clip_frac": (clipped & m).sum() / n,
+             "masked_kl": torch.where(M, kl, 0.0).sum() / n_masked,
+             "kl": torch.where(m, kl, 0.0).sum() / n}
+    return {k: v.item() for k, v in stats.items()}
+
+
+# =====================================================================================
+# Training loop
+# =====================================================================================
+def train(args: Args) -> dict:
+    run = harness.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
+    args, device = run.args, run.device
+    tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
+    train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
+    policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
+    ref = load_reference(policy, device, args) if needs_reference(args) else None  # pi_ref, frozen
+    eos_ids = eos_token_ids(policy, tokenizer)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer, scheduler = common.make_optimizer(params, args)
+    sampler = tasks.PromptSampler(len(train_rows), args.seed)
+    state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler)
+    start = run.attach({"": policy}, tokenizer, state)  # what a checkpoint holds
+    if start == 0 and eval_rows:
+        run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
+
+    P, G = args.prompts_per_step, args.group_size
+    for step in run.steps(start):
+        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
+        # 1. Rollouts: P prompts, G completions each; row b belongs to prompt b // G
+        rows = [train_rows[i] for i in sampler.take(P)]
+        prompts = [r["prompt"] for r in rows]
+        batch = generate_rollouts(policy, tokenizer, prompts, G, args, eos_ids, device)
+        clock.lap("generate")
+
+        # 2. Reward r_i, then the group-relative advantage A_i (one value per completion)
+        answers = [r["answer"] for r in rows for _ in range(G)]
+        rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
+        advantages = group_advantages(rewards, G).to(device)  # [B]
+        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # diagnostics
+        clock.lap("reward")
+
+        # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad.
+        #    TEPO: the entropy-change term c of every token comes from the same pass
+        old_logp, old_entropy, c = batch_logps(policy, batch, args, extra=entropy_change_c)
+        clock.lap("old_logp")
+        no_ref = (None, None, None)
+        ref_logp, ref_entropy, _ = batch_logps(ref, batch, args) if ref is not None else no_ref
+        clock.lap("ref_logp")
+        kl_logp = ref_logp if args.kl_target == "ref" else old_logp  # TEPO: what the KL pulls to
+        base_entropy = old_entropy if args.entropy_baseline == "old" else ref_entropy  # TEPO
+        observed = args.entropy_test == "observed"  # TEPO: else predicted, from c
+
+        # 4. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
+        #    each; a mini-batch's gradient is accumulated over micro-batches
+        policy.train()
+        stats = []
+        for _ in range(args.ppo_epochs):
+            for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                num_tokens = batch["mask"][mini].sum().item()  # TEPO: the mini-batch's tokens
+                for mb in micro_batches(batch, mini, args.micro_batch_size):
+                    logp, entropy, _ = token_logps_and_entropy(policy, batch, mb, args, observed)
+                    A, m = advantages[mb], batch["mask"][mb]
+                    if observed:  # TEPO: the entropy fell since sampling, beyond the noise
+                        falls = entropy < base_entropy[mb] - args.entropy_tol
+                    else:  # TEPO: the update is predicted to lower it
+                        falls = c[mb] > 0
+                    M = kl_mask(A, falls, m)  # TEPO: the token-level KL mask [b, T]
+                    kl_mb = kl_logp[mb] if kl_logp is not None else None
+                    loss = tepo_loss(logp, old_logp[mb], kl_mb, A, m, M, args.clip_low,
+                                     args.clip_high, args.kl_coef, args.ratio_level, args.loss_agg,
+                                     num_tokens=num_tokens, num_seqs=len(mini))
+                    loss.backward()  # gradients add up over micro-batches to the mini-batch's
+                    loss_sum += loss.item()
+                    stats.append(tepo_stats(logp, old_logp[mb], kl_mb, A, m, M, old_entropy[mb],
+                                            args.clip_low, args.clip_high, args.ratio_level))
+                    run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=kl_mb,
+                                M=M)
+                step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
+                                                   loss_sum)
+                stats.append({"loss": loss_sum, **step_stats})
+        clock.lap("update")
+
+        # 5. Metrics, samples, held-out evaluation, checkpoint
+        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
+                   **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
+                   **clock.metrics(tokens=batch["mask"].sum().item())}
+        if step % args.sample_every == 0 or step == start + 1:
+            show_samples(step, batch, rewards)
+            shown = {"entropy": old_entropy, "c": c}  # TEPO: c, and the mask when known at sampling
+            if not observed:
+                shown["kl_mask"] = kl_mask(advantages, c > 0, batch["mask"])
+            run.write_samples(step, tokenizer, batch, rewards, advantages, shown)
+        if eval_rows and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
+        run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
+    return run.finish()
+
+
+# =====================================================================================
+# The skeleton: below this line, every script is the same, line for line
+# =====================================================================================
+# ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = common.resolve_model_name(name)
-    common.check_model_folder(path)  # a config and tokenizer files, or one line saying what is missing
+    path = tasks.resolve_model_name(name)
+    tasks.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -214,7 +360,8 @@ def load_tokenizer(name: str, trust_remote_code: bool):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    ctx = getattr(config, "max_position_embeddings", None) or min(tokenizer.model_max_length, 1 << 20)
+    ctx = getattr(config, "max_position_embeddings", None)
+    ctx = ctx or min(tokenizer.model_max_length, 1 << 20)
     return tokenizer, ctx
 
 
@@ -226,27 +373,33 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
     script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
     ...) is replaced by a neutral one."""
-    path = common.resolve_model_name(name)
+    path = tasks.resolve_model_name(name)
     adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = common.resolve_model_name(args.model) if adapter else path
-    dtype = torch.bfloat16 if args.lora_rank and args.bf16 and device.type == "cuda" else torch.float32
+    base = tasks.resolve_model_name(args.model) if adapter else path
+    bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
+    dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
+                                                     trust_remote_code=args.trust_remote_code)
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
         raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
-    with torch.no_grad():  # the log-prob pass reads logits as lm_head(last hidden state): a model that
-        x = torch.arange(3)[None]  # rescales or soft-caps them after that (Gemma 2, Cohere) must say so
+    # the log-prob pass reads logits as lm_head(last hidden state): a model that rescales or
+    # soft-caps them after that (Gemma 2, Cohere) must say so
+    with torch.no_grad():
+        x = torch.arange(3)[None]
         direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
         if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
-            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. soft-capping "
-                            "or a logit scale), which this script's chunked log-prob pass does not reproduce")
+            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. "
+                            "soft-capping or a logit scale), which this script's chunked log-prob "
+                            "pass does not reproduce")
     own = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id,
+    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id,
                                                bos_token_id=own.bos_token_id)
     for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    if trainable and args.gradient_checkpointing:  # only active in train mode, so generate() is not slowed
+    if trainable and args.gradient_checkpointing:  # only in train mode: generate() is not slowed
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.requires_grad_(trainable)
     if trainable and args.lora_rank:  # LoRA: the base stays frozen, only the adapters learn
@@ -257,16 +410,17 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
 
 
 def add_lora(model, base: str, args, adapter: str | None = None):
-    """The model as PEFT's LoRA model: every module in --lora-target-modules gets adapters A (r x in)
-    and B (out x r), B = 0 so that the output is exactly the base's before the first update, fp32
-    whatever the base's dtype, no adapter dropout (it would make the ratio differ from 1 before
-    the first update). `adapter`: a checkpoint's adapters to continue from."""
+    """The model as PEFT's LoRA model: every module in --lora-target-modules gets adapters A
+    (r x in) and B (out x r), B = 0 so that the output is exactly the base's before the first
+    update, fp32 whatever the base's dtype, no adapter dropout (it would make the ratio differ
+    from 1 before the first update). `adapter`: a checkpoint's adapters to continue from."""
     try:
         from peft import LoraConfig, PeftModel, get_peft_model
     except ImportError:
         raise UserError("--lora-rank needs peft: pip install peft") from None
     targets = args.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
     try:
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
@@ -274,10 +428,10 @@ def add_lora(model, base: str, args, adapter: str | None = None):
             config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                 target_modules=targets, task_type="CAUSAL_LM")
             model = get_peft_model(model, config)
-    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, a layer PEFT cannot wrap
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, or PEFT failed
         raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
                         f"{args.lora_target_modules}): {common.first_line(e)}") from None
-    if Path(base).is_dir():  # the checkpoint names its base by full path, so eval.py finds it from anywhere
+    if Path(base).is_dir():  # the checkpoint names its base by full path: eval.py finds it anywhere
         model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     for p in model.parameters():
         if p.requires_grad:
@@ -334,23 +488,23 @@ def autocast(args):
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bool(args.bf16))
 
 
-# =====================================================================================
-# Data
-# =====================================================================================
+# ----- Data ----------------------------------------------------------------------------------
 def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None):
     """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
     --problem-column / --answer-column apply to the training set only."""
     cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset always
+    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset
     for r in rows:
         r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
-    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+    ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
         raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
                         f"(context - max_new_tokens); lower --max-new-tokens")
     if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than {max_prompt_tokens} tokens")
+        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+              f"{max_prompt_tokens} tokens")
     return kept
 
 
@@ -362,31 +516,32 @@ def load_data(args, tokenizer, ctx: int):
                         f"this model's {ctx}-token context")
     max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
     if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens {args.max_new_tokens} "
+        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
+                        f"{args.max_new_tokens} "
                         f"exceed this model's {ctx}-token context")
     train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
     if args.eval_dataset == "none":
         print("no held-out evaluation (--eval-dataset none)")
         return train_rows, []
-    return train_rows, load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, limit=args.eval_n)
+    eval_rows = load_prompts(args.eval_dataset, "test", tokenizer, args, max_prompt, args.eval_n)
+    return train_rows, eval_rows
 
 
-# =====================================================================================
-# Rollouts
-# =====================================================================================
+# ----- Rollouts ------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
     never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [B, T]
+    eos = torch.tensor(eos_ids, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)  # [B, T]
     T = completion_ids.shape[1]
-    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # a row without EOS is valid to its end
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: argmax finds the first 1
+    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # no EOS: valid to its end
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: the first 1
     positions = torch.arange(T, device=completion_ids.device)[None, :]  # [1, T]
     return (positions <= first_eos[:, None]).long()
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Text of each completion up to its first EOS; whatever generate() padded after it is dropped."""
+    """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
     return [tokenizer.decode(ids[:n], skip_special_tokens=True)
             for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
 
@@ -398,8 +553,9 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
-    gen_cfg = GenerationConfig(  # every sampling setting written out: nothing may reshape the distribution
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
+    gen_cfg = GenerationConfig(  # every sampling setting written out: nothing else shapes it
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+        max_new_tokens=args.max_new_tokens,
         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
     model.eval()
     chunks, n = [], args.gen_batch_size or len(prompt_ids)
@@ -409,12 +565,14 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
                                  generation_config=gen_cfg)
         chunks.append(out[:, prompt_ids.shape[1]:])
     T = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks])  # [B, T]
+    padded = [F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
+    completion_ids = torch.cat(padded)  # [B, T]
     mask = completion_mask(completion_ids, eos_ids)  # [B, T]
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
     texts = decode_completions(tokenizer, completion_ids, mask)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                mask=mask, truncated=truncated, texts=texts, prompts=[p for p in prompts for _ in range(G)])
+                mask=mask, truncated=truncated, texts=texts,
+                prompts=[p for p in prompts for _ in range(G)])
 
 
 def model_inputs(batch, rows):
@@ -437,6 +595,7 @@ def micro_batches(batch, rows, size: int):
     return rows[batch["mask"][rows].sum(1).argsort(stable=True)].split(size)
 
 
+# ----- Log-probs -----------------------------------------------------------------------------
 def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
     """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
     extra(logits, ids) [N] (both no grad), from logits / temperature."""
@@ -465,7 +624,8 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature, with_entropy, extra)
+        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature,
+                  with_entropy, extra)
         with autocast(args):
             outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
                         if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
@@ -475,7 +635,8 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
             return None
         flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
         full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
-        return torch.zeros(full.shape, dtype=flat.dtype, device=full.device).masked_scatter(full, flat)
+        zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
+        return zeros.masked_scatter(full, flat)
     return scatter(0), scatter(1), scatter(2)
 
 
@@ -486,7 +647,8 @@ def batch_logps(model, batch: dict, args, extra=None):
     if len(batch["mask"]) == 0:  # DAPO can keep no group at all
         zero = batch["mask"].float()
         return zero, zero, zero if extra is not None else None
-    mbs = micro_batches(batch, torch.arange(len(batch["mask"]), device=batch["mask"].device), args.micro_batch_size)
+    rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
+    mbs = micro_batches(batch, rows, args.micro_batch_size)
     parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
     order = torch.cat(mbs).argsort()  # back to the batch's row order
 
@@ -495,148 +657,7 @@ def batch_logps(model, batch: dict, args, extra=None):
     return joined(0), joined(1), joined(2)
 
 
-# =====================================================================================
-# Reward
-# =====================================================================================
-def reward_fn(texts: list[str], answers: list[str], args):
-    """GRPO's outcome reward: r_i = 1 if the completion's final answer equals the reference
-    answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
-    math_verify: math-verify finds it in free text instead); it is compared with math-verify,
-    gold first, each parse and comparison time-bounded, and model text is never executed."""
-    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction) for t, a in zip(texts, answers)]
-    correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
-    parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
-    return correct.clone(), correct, parsed
-
-
-# =====================================================================================
-# Advantage
-# =====================================================================================
-def group_advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.Tensor:
-    """[B] -> [B]: A_i = (r_i - mean_g r) / (std_g r + eps), std with Bessel's correction over
-    the G completions of one prompt. An all-equal group gives exactly 0 (its numerator is 0)."""
-    r = rewards.view(-1, G)
-    if r.shape[0] == 0:  # an empty batch: nothing to normalise
-        return rewards.clone()
-    A = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
-    return A.view(-1)
-
-
-# =====================================================================================
-# Loss
-# =====================================================================================
-def k3_kl(q_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi_theta || q) per token: exp(d) - d - 1, d = q_logp - logp (>= 0)."""
-    d = q_logp - logp
-    return torch.exp(d) - d - 1
-
-
-def token_mean(l: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
-    """sum_it l_it m_it / num_tokens, with num_tokens counted over the whole mini-batch before
-    the micro-batch loop, so the sum over micro-batches equals the unsplit token-mean. Padding
-    is selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
-    return torch.where(mask.bool(), l, 0.0).sum() / num_tokens
-
-
-def seq_mean_token_mean(l: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """sum_i ( sum_t l_it m_it / sum_t m_it ) / num_seqs. num_seqs is the size of the whole
-    mini-batch, so summing this over its micro-batches gives the unsplit value. Padding is
-    selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
-    m = mask.bool()
-    per_seq = torch.where(m, l, 0.0).sum(1) / m.sum(1).clamp(min=1)
-    return per_seq.sum() / num_seqs
-
-
-def carried_log_ratio(logp, old_logp, mask, ratio_level: str = "sequence") -> torch.Tensor:
-    """[B, T] log-ratio used on each token. 'token': logp - old_logp. 'sequence' (our reading):
-    log s_i = mean over valid tokens of (logp - old_logp), carried as sg(log s_i) + logp - sg(logp),
-    so its value is log s_i on every token and d/d logp_it is 1 (each token keeps its own gradient)."""
-    log_ratio = logp - old_logp
-    if ratio_level == "token":
-        return log_ratio
-    m = mask.bool()
-    log_s = torch.where(m, log_ratio, 0.0).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
-    return log_s.detach() + logp - logp.detach()
-
-
-def entropy_change_c(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """[N, V] logits / temperature of the sampling policy, [N] sampled ids -> c [N] (our reading
-    of Lemma 3.2): c = p_k (log p_k + H) - sum_j p_j^2 (log p_j + H). A policy-gradient step on
-    A log p_k changes the entropy by about -A c, so for A > 0 the entropy falls where c > 0.
-
-    >>> logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.7, 0.2, 0.1]]))
-    >>> [round(x, 3) for x in entropy_change_c(logits, torch.tensor([0, 2])).tolist()]  # likely vs rare token
-    [0.141, -0.321]
-    """
-    logp_all = torch.log_softmax(logits.float(), -1)  # [N, V]
-    p = logp_all.exp()
-    H = -(p * logp_all).sum(-1, keepdim=True)  # [N, 1]
-    k = ids[:, None]
-    return (p.gather(-1, k) * (logp_all.gather(-1, k) + H) - (p * p * (logp_all + H)).sum(-1, keepdim=True)).squeeze(-1)
-
-
-def kl_mask(advantages, entropy_falls, mask) -> torch.Tensor:
-    """[B, T] bool, TEPO's KL mask: a positive advantage, decreasing entropy (entropy_falls [B, T]
-    bool, from --entropy-test), and a valid completion token."""
-    return (advantages[:, None] > 0) & entropy_falls & mask.bool()
-
-
-def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M, num_tokens,
-              clip_low=3e-4, clip_high=4e-4, kl_coef=0.04, ratio_level="sequence",
-              loss_agg="token-mean", num_seqs=None):
-    """TEPO loss (our reading), aggregated token-mean (or, with loss_agg="seq-mean-token-mean", as
-    GRPO). Copy it with k3_kl, token_mean, seq_mean_token_mean, carried_log_ratio (and kl_mask,
-    entropy_change_c to build M); it needs nothing but torch.
-
-    logp       [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
-    old_logp   [B, T]  the same under the policy that sampled the batch (no grad)
-    kl_logp    [B, T]  log-probs under the KL target (reference or old policy); unused if kl_coef == 0
-    advantages [B]     one group-relative advantage per completion
-    mask       [B, T]  1 on completion tokens through the first EOS
-    M          [B, T]  bool, the KL mask (kl_mask)
-    num_tokens         valid tokens in the whole mini-batch (sum of its mask), for token-mean
-    num_seqs           completions in the whole mini-batch (default B), for seq-mean-token-mean
-
-    >>> logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.0]])  # log-ratios 0.2, 0
-    >>> A, m, M = torch.tensor([1.0]), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool)
-    >>> round(tepo_loss(logp, old, old, A, m, M, num_tokens=2).item(), 4)  # s = exp(0.1), clipped at 1 + 4e-4
-    -1.0004
-    >>> round(tepo_loss(logp, old, old, A, m, M, num_tokens=2, clip_high=0.28).item(), 4)  # inside PPO's range
-    -1.1052
-    """
-    A = advantages[:, None]  # [B, 1]
-    s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))  # [B, T]
-    pg = -torch.min(s * A, torch.clamp(s, 1 - clip_low, 1 + clip_high) * A)
-    kl = k3_kl(kl_logp, logp) if kl_coef > 0 else torch.zeros_like(logp)
-    l = pg + kl_coef * torch.where(M, kl, 0.0)  # [B, T]
-    if loss_agg == "seq-mean-token-mean":
-        return seq_mean_token_mean(l, mask, num_seqs or logp.shape[0])
-    return token_mean(l, mask, num_tokens)
-
-
-@torch.no_grad()
-def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3e-4, clip_high=4e-4,
-               ratio_level="sequence") -> dict:
-    """What to watch: the share of tokens the mask selects, their entropy against the others',
-    the KL on them and on all tokens, the spread of sequence ratios, and the share of active clips.
-    (Where the KL sits, by sign, position and mask, is tools/diagnostics.py's, for the studies.)"""
-    A, m = advantages[:, None], mask.bool()
-    s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))
-    clipped = ((s > 1 + clip_high) & (A > 0)) | ((s < 1 - clip_low) & (A < 0))
-    n, n_masked, other = m.sum().clamp(min=1), M.sum().clamp(min=1), m & ~M
-    rows = m.any(1)
-    seq = torch.exp(carried_log_ratio(logp, old_logp, mask, "sequence")[:, 0][rows]) if rows.any() else torch.ones(1)
-    kl = k3_kl(kl_logp, logp) if kl_logp is not None else torch.zeros_like(logp)
-    stats = {"mask_frac": M.sum() / n, "masked_entropy": torch.where(M, entropy, 0.0).sum() / n_masked,
-             "other_entropy": torch.where(other, entropy, 0.0).sum() / other.sum().clamp(min=1),
-             "seq_ratio_min": seq.min(), "seq_ratio_max": seq.max(), "clip_frac": (clipped & m).sum() / n,
-             "masked_kl": torch.where(M, kl, 0.0).sum() / n_masked, "kl": torch.where(m, kl, 0.0).sum() / n}
-    return {k: v.item() for k, v in stats.items()}
-
-
-# =====================================================================================
-# Evaluation, samples, metrics
-# =====================================================================================
+# ----- Evaluation, samples, metrics ----------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
     """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
@@ -648,15 +669,17 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
                                pad_token_id=tokenizer.pad_token_id, use_cache=True)
         correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
-        for i in tqdm(range(0, len(problems), n), desc=f"eval ({name})", leave=False, dynamic_ncols=True):
+        chunks = range(0, len(problems), n)
+        for i in tqdm(chunks, desc=f"eval ({name})", leave=False, dynamic_ncols=True):
             chunk = problems[i:i + n]
             enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             with autocast(args):
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            correct += sum(tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction).correct
-                           for t, p in zip(texts, chunk))
+            grades = [tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                      for t, p in zip(texts, chunk)]
+            correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
         out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
@@ -671,99 +694,14 @@ def show_samples(step, batch, rewards, k=2):
 
 def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
     m = batch["mask"].bool()
+    zero_std = rewards.view(-1, G).std(1) == 0  # [P]: groups that teach nothing
     return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
             "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if len(rewards) else 1.0,
+            "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
             "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
             "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
             "completion_len_max": m.sum(1).max().item() if len(m) else 0,
             "truncated_frac": batch["truncated"].float().mean().item()}
-
-
-# =====================================================================================
-# Training loop
-# =====================================================================================
-def train(args: Args) -> dict:
-    run = harness.Run(args, ALGO, resolve_args)  # run folder, --resume, seeding, logging, Ctrl-C / SIGTERM
-    args, device = run.args, run.device
-    tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
-    train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before any model loads
-    policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
-    need_ref = (args.kl_coef > 0 and args.kl_target == "ref") or \
-        (args.entropy_test == "observed" and args.entropy_baseline == "ref")  # TEPO
-    ref = load_reference(policy, device, args) if need_ref else None  # pi_ref, frozen
-    eos_ids = eos_token_ids(policy, tokenizer)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer, scheduler = common.make_optimizer(params, args)
-    sampler = tasks.PromptSampler(len(train_rows), args.seed)
-    start = run.attach({"": policy}, tokenizer, dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler))
-    if start == 0 and eval_rows:
-        run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
-
-    P, G = args.prompts_per_step, args.group_size
-    for step in run.steps(start):
-        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
-        # 1. Rollouts: P prompts, G completions each; row b belongs to prompt b // G
-        rows = [train_rows[i] for i in sampler.take(P)]
-        batch = generate_rollouts(policy, tokenizer, [r["prompt"] for r in rows], G, args, eos_ids, device)
-        clock.lap("generate")
-
-        # 2. Reward r_i, then the group-relative advantage A_i (one value per completion)
-        answers = [r["answer"] for r in rows for _ in range(G)]
-        rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
-        advantages = group_advantages(rewards, G).to(device)  # [B]
-        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # for tools/diagnostics.py
-        clock.lap("reward")
-
-        # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad.
-        #    TEPO: the entropy-change term c of every token comes from the same pass
-        old_logp, old_entropy, c = batch_logps(policy, batch, args, extra=entropy_change_c)  # [B, T] each
-        clock.lap("old_logp")
-        ref_logp, ref_entropy, _ = batch_logps(ref, batch, args) if ref is not None else (None, None, None)
-        clock.lap("ref_logp")
-        kl_logp = ref_logp if args.kl_target == "ref" else old_logp  # TEPO: what the masked KL pulls to
-        base_entropy = old_entropy if args.entropy_baseline == "old" else ref_entropy  # TEPO: observed test
-        observed = args.entropy_test == "observed"
-
-        # 4. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
-        #    each; a mini-batch's gradient is accumulated over micro-batches
-        policy.train()
-        stats = []
-        for _ in range(args.ppo_epochs):
-            for mini in torch.randperm(len(advantages), device=device).chunk(args.num_mini_batches):
-                optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                num_tokens = batch["mask"][mini].sum().item()  # TEPO: token-mean over the mini-batch
-                for mb in micro_batches(batch, mini, args.micro_batch_size):
-                    logp, entropy, _ = token_logps_and_entropy(policy, batch, mb, args, with_entropy=observed)
-                    falls = entropy < base_entropy[mb] - args.entropy_tol if observed else c[mb] > 0  # TEPO
-                    M = kl_mask(advantages[mb], falls, batch["mask"][mb])  # TEPO: the token-level KL mask
-                    kl_mb = kl_logp[mb] if kl_logp is not None else None
-                    loss = tepo_loss(logp, old_logp[mb], kl_mb, advantages[mb], batch["mask"][mb], M, num_tokens,
-                                     args.clip_low, args.clip_high, args.kl_coef, args.ratio_level,
-                                     args.loss_agg, num_seqs=len(mini))
-                    loss.backward()  # gradients add up over micro-batches to those of the mini-batch
-                    loss_sum += loss.item()
-                    run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=kl_mb, M=M)
-                    stats.append(tepo_stats(logp, old_logp[mb], kl_mb, advantages[mb], batch["mask"][mb], M,
-                                            old_entropy[mb], args.clip_low, args.clip_high, args.ratio_level))
-                stats.append({"loss": loss_sum,
-                              **common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, loss_sum)})
-        clock.lap("update")
-
-        # 5. Metrics, samples, held-out evaluation, checkpoint
-        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G), **common.reduce_stats(stats),
-                   "lr": scheduler.get_last_lr()[0], **clock.metrics(tokens=batch["mask"].sum().item())}
-        if step % args.sample_every == 0 or step == start + 1:
-            show_samples(step, batch, rewards)
-            shown = {"entropy": old_entropy, "c": c}  # TEPO: c, and the mask when it is known at sampling
-            if not observed:
-                shown["kl_mask"] = kl_mask(advantages, c > 0, batch["mask"])
-            run.write_samples(step, tokenizer, batch, rewards, advantages, shown)
-        if eval_rows and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
-        run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
-    return run.finish()
 
 
 def main(argv=None):

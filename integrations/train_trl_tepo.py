@@ -30,9 +30,9 @@ tepo.py's mini-batches; keep steps_per_generation a multiple of gradient_accumul
 
 Every flag except this script's own (--model, --dataset, --problem_column, --answer_column,
 --template, --answer_extraction, --grader_timeout, --max_prompt_tokens) and TEPO's
-(--ratio_level, --entropy_test, --entropy_tol, --kl_target, --kl_coef; clips: --epsilon 3e-4
---epsilon_high 4e-4, our reading) is TRL's own (GRPOConfig and transformers' TrainingArguments: `--help`
-lists them all). TRL defaults to bf16 autocast over fp32 weights and
+(--ratio_level, --entropy_test, --entropy_tol, --kl_target, --kl_coef, --loss_agg; clips:
+--epsilon 3e-4 --epsilon_high 4e-4, our reading) is TRL's own (GRPOConfig and transformers' TrainingArguments:
+`--help` lists them all). TRL defaults to bf16 autocast over fp32 weights and
 gradient checkpointing, as tepo.py does on CUDA. Leave --beta unset: TEPO's KL coefficient is
 --kl_coef. Verified on CPU only (one process end to end; two processes for the cross-process
 counting and gathering); never run on a GPU, under DeepSpeed / FSDP or with vLLM (docs/scaling.md).
@@ -75,8 +75,9 @@ class ScriptArgs:
         "help": "column holding the problem (default: known, else 'problem')"})
     answer_column: str | None = field(default=None, metadata={
         "help": "column holding the answer (default: known, else 'answer')"})
-    template: str | None = field(default=None, metadata={
-        "help": "prompt template: qwen_math, tiny, plain or chat (default: tiny for the tiny model)"})
+    template: str | None = field(default=None,
+                                 metadata={"help": "prompt template: qwen_math, tiny, plain or "
+                                           "chat (default: tiny for the tiny model)"})
     answer_extraction: str = field(default="boxed", metadata={
         "help": "final answer: the last \\boxed{}, or math-verify's own extraction from free text",
         "choices": list(common.ANSWER_EXTRACTIONS)})
@@ -84,12 +85,15 @@ class ScriptArgs:
         "help": "seconds allowed per answer parse / comparison"})
     max_prompt_tokens: int | None = field(default=None, metadata={
         "help": "longer prompts are dropped (default: context - max_completion_length)"})
-    lora_rank: int = field(default=0, metadata={
-        "help": "LoRA rank: train adapters on a frozen base (TRL's peft_config); TRL's reference is then the "
-                "base with the adapters off. 0 = full fine-tuning"})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_rank: int = field(default=0,
+                           metadata={"help": "LoRA rank: train adapters on a frozen base (TRL's "
+                                     "peft_config); TRL's reference is then the base with the "
+                                     "adapters off. 0 = full fine-tuning"})
+    lora_alpha: float = field(default=32.0,
+                              metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
     lora_target_modules: str = field(default="all-linear", metadata={
-        "help": "all-linear (every linear layer of the transformer blocks) or a comma list of module names"})
+        "help": "all-linear (every linear layer of the transformer blocks) or a comma list of "
+                "module names"})
 
 
 # TRL defaults that differ from tepo.py's presets. Tiny: tepo.py's tiny preset (16 prompts x 8,
@@ -117,7 +121,7 @@ def parse(argv=None) -> tuple[ScriptArgs, TEPOConfig]:
     peek.add_argument("--model", default="tiny")
     model = peek.parse_known_args(argv)[0].model
     parser = HfArgumentParser((ScriptArgs, TEPOConfig))
-    tiny = common.is_tiny(model)
+    tiny = tasks.is_tiny(model)
     defaults = dict(TINY_DEFAULTS if tiny else REAL_DEFAULTS)
     defaults.setdefault("output_dir", f"runs/trl-tepo-{Path(model).name.lower()}")
     parser.set_defaults(**defaults)
@@ -155,13 +159,14 @@ def lora_config(script: ScriptArgs):
     except ImportError:
         raise common.UserError("--lora_rank needs peft: pip install peft") from None
     t = script.lora_target_modules
-    return LoraConfig(r=script.lora_rank, lora_alpha=script.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=t if t == "all-linear" else [x.strip() for x in t.split(",") if x.strip()])
+    return LoraConfig(r=script.lora_rank, lora_alpha=script.lora_alpha, lora_dropout=0.0,
+                      task_type="CAUSAL_LM", target_modules=t
+                      if t == "all-linear" else [x.strip() for x in t.split(",") if x.strip()])
 
 
 def main(argv=None):
     script, cfg = parse(argv)
-    path = common.resolve_model_name(script.model)
+    path = tasks.resolve_model_name(script.model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -177,7 +182,8 @@ def main(argv=None):
     max_prompt = script.max_prompt_tokens or ctx - cfg.max_completion_length
     train = load_prompts(script, tokenizer, max_prompt)
     trainer = TEPOTrainer(model=model, args=cfg, train_dataset=train, processing_class=tokenizer,
-                          reward_funcs=correctness_reward(script.answer_extraction, script.grader_timeout),
+                          reward_funcs=correctness_reward(script.answer_extraction,
+                                                          script.grader_timeout),
                           peft_config=lora_config(script))
     trainer.train()
     trainer.save_model(cfg.output_dir)

@@ -28,7 +28,7 @@ What maps to what (tepo.py / erpo.py flag -> TRL GRPOConfig field):
   --ppo-epochs                       num_iterations
   --max-new-tokens                   max_completion_length
   TEPO --clip-low / --clip-high      epsilon / epsilon_high (defaults 3e-4 / 4e-4 here)
-  ERPO --eps, --beta                 epsilon (epsilon_high must stay unset), beta (0.04 here)
+  ERPO --clip-low/-high, --kl-coef   epsilon (epsilon_high must stay unset), beta (0.04 here)
   --lr, --warmup-steps               learning_rate, warmup_steps
   the advantage A_i                  TRL's: (r - group mean) / (group std + 1e-4), std with Bessel's
                                      correction, as group_advantages in the scripts
@@ -113,12 +113,14 @@ class TEPOConfig(GRPOConfig):
     """GRPOConfig plus TEPO's flags (tepo.py's, same names and defaults). TRL's beta is not TEPO's
     KL coefficient: it is set from kl_coef / kl_target and only tells TRL to load the reference."""
 
-    epsilon: float = field(default=3e-4, metadata={
-        "help": "TEPO --clip-low: the ratio is clipped below at 1 - epsilon (our reading: GSPO's range "
-                "for a sequence ratio; with ratio_level token pass 0.2)"})
-    epsilon_high: float | None = field(default=4e-4, metadata={
-        "help": "TEPO --clip-high: the ratio is clipped above at 1 + epsilon_high (our reading: GSPO's "
-                "range; with ratio_level token pass 0.28)"})
+    epsilon: float = field(default=3e-4,
+                           metadata={"help": "TEPO --clip-low: the ratio is clipped below at 1 - "
+                                     "epsilon (our reading: GSPO's range for a sequence ratio; "
+                                     "with ratio_level token pass 0.2)"})
+    epsilon_high: float | None = field(default=4e-4,
+                                       metadata={"help": "TEPO --clip-high: the ratio is clipped "
+                                                 "above at 1 + epsilon_high (our reading: GSPO's "
+                                                 "range; with ratio_level token pass 0.28)"})
     disable_dropout: bool = field(default=True, metadata={
         "help": "no dropout: the ratio must be exactly 1 before the first update"})
     vllm_importance_sampling_correction: bool = field(default=False, metadata={
@@ -139,6 +141,10 @@ class TEPOConfig(GRPOConfig):
         "choices": ["ref", "old"]})
     kl_coef: float = field(default=0.04, metadata={
         "help": "coefficient of the masked KL term (our reading: GRPO's beta)"})
+    loss_agg: str = field(default="token-mean",
+                          metadata={"help": "token-mean over the optimizer step's tokens (our "
+                                    "reading), or GRPO's seq-mean-token-mean (under study)",
+                                    "choices": ["token-mean", "seq-mean-token-mean"]})
 
     def __post_init__(self):
         super().__post_init__()
@@ -151,6 +157,8 @@ class TEPOConfig(GRPOConfig):
                 self.entropy_test in ("predicted", "observed"),
             f"kl_target must be 'ref' or 'old', not {self.kl_target!r}":
                 self.kl_target in ("ref", "old"),
+            f"loss_agg must be 'token-mean' or 'seq-mean-token-mean', not {self.loss_agg!r}":
+                self.loss_agg in ("token-mean", "seq-mean-token-mean"),
             f"kl_coef must be >= 0, not {self.kl_coef}": self.kl_coef >= 0,
             f"epsilon (clip low) must be in [0, 1), not {self.epsilon}": 0 <= self.epsilon < 1,
             f"entropy_tol must be >= 0, not {self.entropy_tol}":
@@ -443,8 +451,10 @@ class TEPOTrainer(_ScriptObjectiveTrainer):
         M = tepo.kl_mask(A, falls, mask)
         kl_logp = inputs.get("ref_per_token_logps") if a.kl_target == "ref" else old
         num_tokens = self._window_size(inputs, WINDOW_TOKENS, mask)
-        loss = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, num_tokens,
-                              self.epsilon_low, self.epsilon_high, a.kl_coef, a.ratio_level)
+        num_seqs = self._window_size(inputs, WINDOW_SEQS, mask)
+        loss = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, self.epsilon_low, self.epsilon_high,
+                              a.kl_coef, a.ratio_level, a.loss_agg, num_tokens=num_tokens,
+                              num_seqs=num_seqs)
         stats = tepo.tepo_stats(logp.detach(), old, kl_logp, A, mask, M, inputs[OLD_ENTROPY],
                                 self.epsilon_low, self.epsilon_high, a.ratio_level)
         return loss, stats
@@ -502,6 +512,8 @@ class ERPOTrainer(_ScriptObjectiveTrainer):
         mask, old = loss_mask(inputs), inputs["old_per_token_logps"]
         ref, A_it = inputs["ref_per_token_logps"], inputs["advantages"]
         num_seqs = self._window_size(inputs, WINDOW_SEQS, mask)
-        loss = erpo.erpo_loss(logp, old, ref, A_it, mask, self.epsilon_low, self.beta,
-                              num_seqs=num_seqs)
-        return loss, erpo.erpo_stats(logp.detach(), old, ref, A_it, mask, self.epsilon_low)
+        loss = erpo.erpo_loss(logp, old, ref, A_it, mask, self.epsilon_low, self.epsilon_low,
+                              self.beta, num_seqs=num_seqs)
+        stats = erpo.erpo_stats(logp.detach(), old, ref, A_it, mask, self.epsilon_low,
+                                self.epsilon_low)
+        return loss, stats

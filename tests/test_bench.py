@@ -31,8 +31,8 @@ def _csv(path):
 # =====================================================================================
 def test_smoke_cli(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "1", "--warmup", "0", "--no-trl",
-           "--scripts", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "1", "--warmup", "0",
+           "--no-trl", "--scripts", "grpo", "--prompts-per-step", "4", "--group-size", "2",
            "--max-new-tokens", "16", "--curve-max-new-tokens", "8,16", "--curve-group-sizes", "2",
            "--curve-prompts", "2", "--curve-steps", "1", "--profile-steps", "1", "--out", str(out)]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -49,7 +49,8 @@ def test_smoke_cli(tmp_path):
     # where the time goes: the four kinds of work, their shares, the machine's matmul peak
     assert "## Where a step's time goes" in md and "| matrix multiply |" in p.stdout
     shares = [int(line.split("|")[3].strip().rstrip("%")) for line in md.splitlines()
-              if line.startswith(("| matrix multiply |", "| attention |", "| other ops |", "| Python |"))]
+              if line.startswith(("| matrix multiply |", "| attention |", "| other ops |",
+                                  "| Python |"))]
     assert len(shares) == 4 and 97 <= sum(shares) <= 103  # rounded percentages of one step
     assert "A 2048^3 matrix multiply (fp32) runs at" in md
 
@@ -71,7 +72,8 @@ def test_smoke_cli(tmp_path):
         assert int(r["completions"]) == int(r["prompts_per_step"]) * int(r["group_size"])
         assert int(r["tokens"]) <= int(r["completions"]) * int(r["max_new_tokens"])
         if r["sweep"] == "max_new_tokens":  # forced to the cap: cost against length
-            assert r["forced_length"] == "True" and int(r["decode_steps"]) == int(r["max_new_tokens"])
+            assert r["forced_length"] == "True"
+            assert int(r["decode_steps"]) == int(r["max_new_tokens"])
             assert int(r["tokens"]) == int(r["completions"]) * int(r["max_new_tokens"])
         else:
             assert r["forced_length"] == "False"
@@ -117,7 +119,8 @@ def test_the_benchmark_runs_the_scripts_own_train(name):
     ones that script has, they add up to at most the step, and the work is the preset's."""
     args = bench.Args(prompts_per_step=4, group_size=4, max_new_tokens=32)
     seen = []
-    a, rows = bench.run_script(name, args, steps=1, warmup=1, on_step=lambda step, row: seen.append(step))
+    a, rows = bench.run_script(name, args, steps=1, warmup=1, on_step=lambda step,
+                               row: seen.append(step))
     assert seen == [1, 2] and len(rows) == 1 and a.prompts_per_step == 4  # the warm-up is not kept
     r = rows[0]
     assert {p for p in bench.PHASES if r[p] > 0} == PHASES_OF[name], r
@@ -149,16 +152,20 @@ def test_op_breakdown_by_kind_with_hand_values():
           NS(key="aten::linear", self_cpu_time_total=100_000, flops=None, self_device_time_total=0)]
     rows = {r["kind"]: r for r in bench.op_breakdown(ev, wall_s=2.0, steps=2, cuda=False)}
     assert list(rows) == ["matrix multiply", "attention", "other ops", "Python"]
-    assert rows["matrix multiply"]["s"] == pytest.approx(0.3) and rows["matrix multiply"]["gflop"] == pytest.approx(40)
+    assert rows["matrix multiply"]["s"] == pytest.approx(0.3)
+    assert rows["matrix multiply"]["gflop"] == pytest.approx(40)
     assert rows["matrix multiply"]["gflop_per_s"] == pytest.approx(40 / 0.3)
     assert rows["attention"]["s"] == pytest.approx(0.1) and rows["attention"]["gflop_per_s"] is None
-    assert rows["other ops"]["s"] == pytest.approx(0.35) and rows["other ops"]["gflop_per_s"] is None
-    assert rows["Python"]["s"] == pytest.approx(0.25) and rows["Python"]["share"] == pytest.approx(0.25)
+    assert rows["other ops"]["s"] == pytest.approx(0.35)
+    assert rows["other ops"]["gflop_per_s"] is None
+    assert rows["Python"]["s"] == pytest.approx(0.25)
+    assert rows["Python"]["share"] == pytest.approx(0.25)
     assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
     # on CUDA the kernels' time counts, and the rest is Python and kernel launches
     cuda = [NS(key="aten::mm", self_cpu_time_total=10, flops=8e9, self_device_time_total=500_000)]
     rows = {r["kind"]: r for r in bench.op_breakdown(cuda, wall_s=1.0, steps=1, cuda=True)}
-    assert rows["matrix multiply"]["s"] == pytest.approx(0.5) and rows["Python and launches"]["s"] == pytest.approx(0.5)
+    assert rows["matrix multiply"]["s"] == pytest.approx(0.5)
+    assert rows["Python and launches"]["s"] == pytest.approx(0.5)
     assert "aten::mul 0.300 s" in bench.top_other_ops(ev, steps=2, cuda=False, k=1)
 
 

@@ -13,7 +13,8 @@ def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    assert model.config.model_type == "qwen2" and sum(p.numel() for p in model.parameters()) < 2_000_000
+    assert model.config.model_type == "qwen2" and sum(p.numel()
+                                                      for p in model.parameters()) < 2_000_000
     # one token per character, and text survives the round trip (spaces and newlines included)
     text = "7+5-8\n7+5=12\n12-8=4 \\boxed{4}"
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -26,7 +27,8 @@ def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
     tok.padding_side = "left"
     enc = tok([tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 32)],
               return_tensors="pt", padding=True)
-    out = model.generate(**enc, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=40, eos_token_id=eos,
+                         pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert sum(tasks.last_boxed(t) is not None for t in texts) >= 28  # it has learned the format
 
@@ -67,13 +69,15 @@ def test_integer_fast_path_agrees_with_math_verify():
 
 def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
     harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
-    # a crash while writing step 2 leaves a temporary folder behind: the run still resumes from step 1
+    # a crash while writing step 2 leaves a temporary folder behind: the run resumes from step 1
     (tmp_path / ".tmp-checkpoint-2").mkdir()
     assert harness.find_checkpoint(tmp_path).name == "checkpoint-1"
     for step in (2, 3):
-        harness.save_checkpoint(tmp_path, step, {"": model}, tok, {"step": step, "t": torch.ones(2)}, keep=2)
+        harness.save_checkpoint(tmp_path, step, {"": model}, tok,
+                                {"step": step, "t": torch.ones(2)}, keep=2)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     ck = harness.find_checkpoint(tmp_path)
     assert ck.name == "checkpoint-3" and harness.load_trainer_state(ck)["step"] == 3
@@ -81,11 +85,11 @@ def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
 
 
 def test_resolve_model_names(tmp_path):
-    assert common.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
-    assert common.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
-    assert common.resolve_model_name(str(tmp_path)) == str(tmp_path)
-    assert common.is_tiny("tiny") and not common.is_tiny("Qwen2.5-Math-1.5B")
+    assert tasks.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert tasks.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert tasks.resolve_model_name(str(tmp_path)) == str(tmp_path)
+    assert tasks.is_tiny("tiny") and not tasks.is_tiny("Qwen2.5-Math-1.5B")
     with pytest.raises(common.UserError):
-        common.resolve_model_name("NoSuchThing")
+        tasks.resolve_model_name("NoSuchThing")
     with pytest.raises(common.UserError):
-        common.resolve_model_name("./missing/folder")
+        tasks.resolve_model_name("./missing/folder")

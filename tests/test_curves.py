@@ -1,4 +1,4 @@
-"""tools/curves.py: the curves of finished runs as one PNG; a folder that is not a run is one line."""
+"""tools/curves.py: the curves of finished runs as one PNG; a folder that is not a run: one line."""
 
 import json
 
@@ -10,7 +10,8 @@ from tools import curves
 def fake_run(folder, accs):
     folder.mkdir()
     rows = [{"step": s, "truncated_frac": 1.0 - s / 10} for s in range(1, 11)]
-    rows += [{"step": s, "eval/greedy_acc": a, "eval/sampled_acc": a / 2} for s, a in zip((0, 5, 10), accs)]
+    rows += [{"step": s, "eval/greedy_acc": a, "eval/sampled_acc": a / 2} for s,
+             a in zip((0, 5, 10), accs)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
@@ -20,7 +21,8 @@ def test_running_mean_by_hand():
 
 
 def test_two_runs_make_one_png(tmp_path):
-    a, b = fake_run(tmp_path / "grpo", [0.1, 0.2, 0.3]), fake_run(tmp_path / "tepo", [0.1, 0.15, 0.25])
+    a = fake_run(tmp_path / "grpo", [0.1, 0.2, 0.3])
+    b = fake_run(tmp_path / "tepo", [0.1, 0.15, 0.25])
     runs = curves.load([str(a), str(b)])
     assert sorted(label for label, _ in runs) == ["grpo", "tepo"]
     out = tmp_path / "c.png"

@@ -259,7 +259,8 @@ def _one_token_loss(ratio, A, **kw):
     """(loss, stats) of a single token with the given ratio and advantage."""
     logp, old = torch.full((1, 1), math.log(ratio)), torch.zeros(1, 1)
     A, mask = torch.tensor([A]), torch.ones(1, 1)
-    return dapo.dapo_loss(logp, old, A, mask, 1.0, **kw), dapo.dapo_stats(logp, old, A, mask, **kw)
+    loss = dapo.dapo_loss(logp, old, A, mask, **kw, num_tokens=1.0)
+    return loss, dapo.dapo_stats(logp, old, A, mask, **kw)
 
 
 @pytest.mark.parametrize("ratio,A,clip_high,expected,clipped", [
@@ -289,7 +290,7 @@ def test_dapo_loss_hand_value_token_mean_and_clip_frac():
     ratio = torch.tensor([[1.25, 1.3, 9.0], [0.5, 9.0, 9.0]])  # the 9s sit on padding
     logp = torch.log(ratio).requires_grad_()
     A = torch.tensor([1.0, -1.0])
-    loss = dapo.dapo_loss(logp, torch.zeros(2, 3), A, mask, 3.0)
+    loss = dapo.dapo_loss(logp, torch.zeros(2, 3), A, mask, num_tokens=3.0)
     st = dapo.dapo_stats(logp, torch.zeros(2, 3), A, mask)
     # row 0 (A = 1): -1.25 (unclipped), -1.28 (clipped);
     # row 1 (A = -1): -min(-0.5, -0.8) = 0.8 (clipped)
@@ -332,7 +333,7 @@ def test_first_update_gradient_is_token_mean_policy_gradient():
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
                          [1, 1, 0, 0, 0]]).float()
-    loss = dapo.dapo_loss(logp, logp.detach(), A, mask, float(mask.sum()))  # N = 11
+    loss = dapo.dapo_loss(logp, logp.detach(), A, mask, num_tokens=float(mask.sum()))  # N = 11
     loss.backward()
     assert torch.allclose(logp.grad, -A[:, None] * mask / 11, atol=1e-7)
 
@@ -348,7 +349,7 @@ def test_dapo_loss_micro_batch_invariance_of_value_and_gradients():
     N = float(mask.sum())  # counted once, before the micro-batch loop
 
     full = logp0.clone().requires_grad_()
-    loss_full = dapo.dapo_loss(full, old, A, mask, N)
+    loss_full = dapo.dapo_loss(full, old, A, mask, num_tokens=N)
     st = dapo.dapo_stats(full, old, A, mask)
     loss_full.backward()
     assert 0 < float(st["clip_frac"]) < 1  # both clipped and unclipped tokens are exercised
@@ -356,7 +357,7 @@ def test_dapo_loss_micro_batch_invariance_of_value_and_gradients():
         split = logp0.clone().requires_grad_()
         total = 0.0
         for idx in torch.arange(B).tensor_split(k):
-            l = dapo.dapo_loss(split[idx], old[idx], A[idx], mask[idx], N)
+            l = dapo.dapo_loss(split[idx], old[idx], A[idx], mask[idx], num_tokens=N)
             l.backward()
             total += l.item()
         assert total == pytest.approx(loss_full.item(), abs=1e-6)

@@ -24,12 +24,14 @@ def _group(lengths, right, cut):
 
 
 def test_gradient_mass_on_cut_off_completions_by_hand():
-    # the issue's group: one right answer of 25 tokens, five wrong ones cut off at 64, two wrong of 30.
+    # the issue's group: one right answer of 25 tokens, five wrong ones cut off at 64, two of 30.
     # A_right = (1 - 1/8) / sqrt(1/8) = 2.4749, A_wrong = -(1/8) / sqrt(1/8) = -0.35355 (eps aside)
-    batch, correct, A = _group([25] + [64] * 5 + [30] * 2, [1] + [0] * 7, [False] + [True] * 5 + [False] * 2)
+    batch, correct, A = _group([25] + [64] * 5 + [30] * 2, [1] + [0] * 7,
+                               [False] + [True] * 5 + [False] * 2)
     f = diagnostics.rollout_figures(batch, correct, A)
     a_r, a_w = 0.875 / math.sqrt(1 / 8), 0.125 / math.sqrt(1 / 8)
-    token = 5 * 64 * a_w / (25 * a_r + 5 * 64 * a_w + 2 * 30 * a_w)  # each token weighs 1 / N_tokens
+    # each token weighs 1 / N_tokens
+    token = 5 * 64 * a_w / (25 * a_r + 5 * 64 * a_w + 2 * 30 * a_w)
     seq = 5 * a_w / (a_r + 7 * a_w)  # each completion weighs 1 / N_seq, its tokens 1 / (L_i N_seq)
     assert f["grad_mass_cut_token_mean"] == pytest.approx(token, rel=1e-4)  # 0.577
     assert f["grad_mass_cut_seq_mean"] == pytest.approx(seq, rel=1e-4)  # 0.357
@@ -37,7 +39,8 @@ def test_gradient_mass_on_cut_off_completions_by_hand():
     assert f["right_cut_off_frac"] == 0.0
     # per-token advantages: |A_it| summed over the completion's tokens
     A_it = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
-    batch2 = {"mask": torch.tensor([[1.0, 0.0], [1.0, 1.0]]), "truncated": torch.tensor([True, False])}
+    batch2 = {"mask": torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
+              "truncated": torch.tensor([True, False])}
     f = diagnostics.rollout_figures(batch2, torch.tensor([1.0, 1.0]), A_it)
     assert f["grad_mass_cut_token_mean"] == pytest.approx(2 / 4)  # the padded 0 counts nothing
     assert f["grad_mass_cut_seq_mean"] == pytest.approx(2 / (2 + 1))
@@ -47,20 +50,23 @@ def test_gradient_mass_on_cut_off_completions_by_hand():
 def test_equal_group_gives_no_gradient_mass_and_no_nan():
     batch, correct, A = _group([3, 5], [0, 0], [False, True])
     f = diagnostics.rollout_figures(batch, correct, A)
-    assert A.abs().sum() == 0 and f == {}  # nothing to share out, no right answer: no figure, no NaN
+    # nothing to share out, no right answer: no figure, no NaN
+    assert A.abs().sum() == 0 and f == {}
 
 
 def test_clip_split_by_sign_and_by_cut_off_by_hand():
-    # GRPO's token ratio, eps 0.2. Row 0 (A > 0, cut off): ratios e^0.3 (clipped), e^0.1, e^0.25 (clipped).
-    # Row 1 (A < 0, ended, 2 tokens + padding): e^-0.3 (clipped), e^0 ; its padding holds a huge ratio
+    # GRPO's token ratio, eps 0.2. Row 0 (A > 0, cut off): ratios e^0.3 (clipped), e^0.1, e^0.25
+    # (clipped). Row 1 (A < 0, ended, 2 tokens + padding): e^-0.3 (clipped), e^0; a huge padding
     logp = torch.tensor([[0.3, 0.1, 0.25], [-0.3, 0.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     A = torch.tensor([1.0, -1.0])
     run = SimpleNamespace(algo="grpo", args=grpo.resolve_args(grpo.Args()))
     ctx = {"batch": {"mask": mask, "truncated": torch.tensor([True, False])}, "advantages": A}
     f = diagnostics.update_figures(run, ctx, torch.arange(2), logp, torch.zeros(2, 3))
-    assert f["clip_frac_pos_adv"] == pytest.approx(2 / 3) and f["clip_frac_cut"] == pytest.approx(2 / 3)
-    assert f["clip_frac_neg_adv"] == pytest.approx(1 / 2) and f["clip_frac_ended"] == pytest.approx(1 / 2)
+    assert f["clip_frac_pos_adv"] == pytest.approx(2 / 3)
+    assert f["clip_frac_cut"] == pytest.approx(2 / 3)
+    assert f["clip_frac_neg_adv"] == pytest.approx(1 / 2)
+    assert f["clip_frac_ended"] == pytest.approx(1 / 2)
     # TEPO clips the carried sequence ratio: row 0's geometric mean e^0.2167 > 1 + 4e-4 clips all 3
     # tokens; row 1's e^-0.15 < 1 - 3e-4 clips both
     run = SimpleNamespace(algo="tepo", args=tepo.resolve_args(tepo.Args()))
@@ -68,7 +74,8 @@ def test_clip_split_by_sign_and_by_cut_off_by_hand():
     assert f["clip_frac_pos_adv"] == 1.0 and f["clip_frac_neg_adv"] == 1.0
     # rows selects a micro-batch out of the rollout batch
     f = diagnostics.update_figures(run, ctx, torch.tensor([1]), logp[1:], torch.zeros(1, 3))
-    assert set(f) == {"clip_frac_neg_adv", "clip_frac_ended"}  # no A > 0 or cut-off token: no figure
+    # no A > 0 or cut-off token: no figure
+    assert set(f) == {"clip_frac_neg_adv", "clip_frac_ended"}
 
 
 def test_observe_without_observers_does_nothing():
@@ -91,9 +98,10 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
     diagnostics.main(["tepo.py", *flags, "--run-name", "diagnosed"])
     assert not harness.OBSERVERS  # removed afterwards
     plain, diagnosed = _rows(tmp_path / "plain"), _rows(tmp_path / "diagnosed")
-    added = {"right_cut_off_frac", "grad_mass_cut_token_mean", "grad_mass_cut_seq_mean", "clip_frac_pos_adv",
-             "clip_frac_neg_adv", "clip_frac_cut", "clip_frac_ended", "kl_pos_adv", "kl_neg_adv",
-             "kl_off_mask", "kl_first_quarter", "kl_last_quarter", "kl_token_max"}
+    added = {"right_cut_off_frac", "grad_mass_cut_token_mean", "grad_mass_cut_seq_mean",
+             "clip_frac_pos_adv", "clip_frac_neg_adv", "clip_frac_cut", "clip_frac_ended",
+             "kl_pos_adv", "kl_neg_adv", "kl_off_mask", "kl_first_quarter", "kl_last_quarter",
+             "kl_token_max"}
     for p, d in zip(plain, diagnosed, strict=True):
         assert {k: v for k, v in d.items() if k in p} == p  # every plain figure, bit for bit
         assert set(d) - set(p) <= added

@@ -6,8 +6,10 @@ import importlib
 
 import pytest
 
-MODULES = ["common", "tasks", "harness", "grpo", "dapo", "tepo", "erpo", "sapo", "eval", "tools.bench", "tools.study"]
-WITH_EXAMPLES = {"grpo", "dapo", "tepo", "erpo", "sapo", "tools.bench", "tools.study"}
+MODULES = ["common", "tasks", "harness", "grpo", "dapo", "tepo", "erpo", "sapo", "eval",
+           "tools.bench", "tools.study", "tools.study_real", "tools.same_metrics"]
+WITH_EXAMPLES = {"tasks", "grpo", "dapo", "tepo", "erpo", "sapo", "tools.bench", "tools.study",
+                 "tools.study_real", "tools.same_metrics"}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -217,14 +217,14 @@ def test_loss_hand_value_uses_each_tokens_own_advantage():
     logp = (old + torch.log(torch.tensor([[1.5, 0.5, 0.9, 9.0]]))).requires_grad_()
     A = torch.tensor([[1.0, -2.0, -2.0, 5.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    loss = erpo.erpo_loss(logp, old, None, A, mask, eps=0.2, beta=0.0)
+    loss = erpo.erpo_loss(logp, old, None, A, mask, kl_coef=0.0)
     assert abs(loss.item() - 2.2 / 3) < 1e-6
     loss.backward()
     # clipped tokens get no gradient; d/dlogp of -(ratio * -2) / 3 = 2 * 0.9 / 3 = 0.6
     assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, 0.6, 0.0]]), atol=1e-6)
     # with KL: + beta * mean(k3), k3 = exp(d) - d - 1 with d = ref - logp = ln 2, 0, 0
     ref = logp.detach() + torch.tensor([[math.log(2), 0.0, 0.0, 0.0]])
-    loss_kl = erpo.erpo_loss(logp, old, ref, A, mask, beta=0.1)
+    loss_kl = erpo.erpo_loss(logp, old, ref, A, mask, kl_coef=0.1)
     assert abs(loss_kl.item() - (2.2 / 3 + 0.1 * (1 - math.log(2)) / 3)) < 1e-6
 
 
@@ -241,12 +241,12 @@ def _loss_batch(seed=0, B=6, T=7):
 
 def test_loss_micro_batch_split_gives_same_value_and_gradient():
     logp, old, ref, A_it, mask = _loss_batch()
-    full = erpo.erpo_loss(logp, old, ref, A_it, mask, beta=0.04)
+    full = erpo.erpo_loss(logp, old, ref, A_it, mask, kl_coef=0.04)
     (g_full,) = torch.autograd.grad(full, logp)
     total = 0.0
     for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
-        part = erpo.erpo_loss(logp[rows], old[rows], ref[rows], A_it[rows], mask[rows], beta=0.04,
-                              num_seqs=6)
+        part = erpo.erpo_loss(logp[rows], old[rows], ref[rows], A_it[rows], mask[rows],
+                              kl_coef=0.04, num_seqs=6)
         part.backward()
         total = total + part.detach()
     assert torch.allclose(total, full.detach(), atol=1e-6)
@@ -260,14 +260,14 @@ def test_constant_gate_without_psi_is_grpo_with_scaled_advantage():
     c = 0.6
     W = torch.full(mask.shape, c)
     A_it, _ = erpo.token_advantages(A, W, torch.randn(mask.shape), mask, eta=0.0)
-    ours = erpo.erpo_loss(logp, old, ref, A_it, mask, eps=0.2, beta=0.04)
-    ref_loss = grpo.grpo_loss(logp, old, ref, A * (1 + c), mask, 0.2, 0.04, None)
+    ours = erpo.erpo_loss(logp, old, ref, A_it, mask, kl_coef=0.04)
+    ref_loss = grpo.grpo_loss(logp, old, ref, A * (1 + c), mask, 0.2, 0.2, 0.04, None)
     assert torch.allclose(ours, ref_loss, atol=1e-6)
     g_ours = torch.autograd.grad(ours, logp)[0]
     g_grpo = torch.autograd.grad(ref_loss, logp)[0]
     assert torch.allclose(g_ours, g_grpo, atol=1e-6)
     # and the gated advantage really differs from plain GRPO's (the test can tell them apart)
-    plain = grpo.grpo_loss(logp, old, ref, A, mask, 0.2, 0.04, None)
+    plain = grpo.grpo_loss(logp, old, ref, A, mask, 0.2, 0.2, 0.04, None)
     assert not torch.allclose(ours, plain, atol=1e-4)
 
 
@@ -284,7 +284,7 @@ def test_nan_and_inf_on_padding_do_not_reach_advantages_loss_or_gradient():
         st = erpo.bucket_normalize(erpo.progress_signal(old_in, ref_in, mask), mask, G=3)
         A_it, psi = erpo.token_advantages(A, W, st, mask)
         # ... while the loss gets log-probs as batch_logps returns them (0 on padding)
-        loss = erpo.erpo_loss(logp, old, ref, A_it, mask, beta=0.04)
+        loss = erpo.erpo_loss(logp, old, ref, A_it, mask, kl_coef=0.04)
         return A_it, psi, loss, torch.autograd.grad(loss, logp)[0]
 
     clean = pipeline(H, old, ref)
@@ -336,7 +336,7 @@ def test_erpo_stats_clip_and_kl_use_each_tokens_own_advantage():
     logp = old + torch.log(torch.tensor([[1.5, 1.5, 0.5], [0.5, 2.0, 2.0]]))
     A_it = torch.tensor([[-1.0, 1.0, -1.0], [1.0, 1.0, NAN]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    st = erpo.erpo_stats(logp, old, None, A_it, mask, eps=0.2)
+    st = erpo.erpo_stats(logp, old, None, A_it, mask, 0.2, 0.2)
     assert set(st) == {"clip_frac"} and type(st["clip_frac"]) is float
     assert abs(st["clip_frac"] - 2 / 4) < 1e-6
     # one advantage per completion (A_i = 1, -1 broadcast) counts a different set: 1.5, 1.5 (row 0,

@@ -2,10 +2,12 @@
 ignores the model's generation_config.json, --resume and its settings check, benchmark labels,
 --answer-extraction, and one-line errors. CPU only, offline; under a minute."""
 
+import dataclasses
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -104,7 +106,7 @@ def test_named_benchmarks_read_their_columns(monkeypatch):
     assert asked[1] == ("openai/gsm8k", "main", "test") and asked[3][2] == "train"
     with pytest.raises(UserError, match="no column 'question'"):  # the hub layout changed
         ev.load_benchmark("minerva", args)
-    args.limit = 1
+    args.eval_n = 1
     assert len(ev.load_benchmark("olympiadbench", args)[2]) == 1
 
 
@@ -204,7 +206,7 @@ def one_thread():
 
 def tiny_argv(model_dir, out, *extra):
     return ["--model", str(model_dir), "--benchmarks", "tiny", "--template", "tiny",
-            "--device", "cpu", "--limit", "16", "--max-new-tokens", "40", "--batch-size", "8",
+            "--device", "cpu", "--eval-n", "16", "--max-new-tokens", "40", "--gen-batch-size", "8",
             "--output-dir", str(out), *extra]
 
 
@@ -542,20 +544,19 @@ def constant_generate(text="so \\boxed{0}", log=None):
     (("--max-new-tokens", "20", "--template", "plain"), (),
      "--template plain (now tiny), --max-new-tokens 20 (now 40)"),
 ])
-def test_resume_refuses_other_settings(model_dir, tmp_path, monkeypatch, capsys, first, second,
-                                       needle):
+def test_resume_refuses_other_settings(model_dir, tmp_path, monkeypatch, capsys, one_line_error,
+                                       first, second, needle):
     monkeypatch.setattr(ev, "generate", constant_generate())
     assert ev.main(tiny_argv(model_dir, tmp_path, *first)) == 0
     before = {p.name: p.read_text() for p in tmp_path.iterdir()}
     capsys.readouterr()
-    assert ev.main(tiny_argv(model_dir, tmp_path, *second, "--resume")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --resume: ") and needle in err[0], err
-    assert str(tmp_path / "tiny.greedy.jsonl") in err[0]
+    err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, *second, "--resume"))
+    assert err.startswith("error: --resume: ") and needle in err, err
+    assert str(tmp_path / "tiny.greedy.jsonl") in err
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # nothing touched
 
 
-def test_resume_refuses_another_model(model_dir, tmp_path, monkeypatch, capsys):
+def test_resume_refuses_another_model(model_dir, tmp_path, monkeypatch, one_line_error):
     import shutil
 
     other = tmp_path / "other-model"
@@ -563,8 +564,7 @@ def test_resume_refuses_another_model(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ev, "generate", constant_generate())
     out = tmp_path / "out"
     assert ev.main(tiny_argv(model_dir, out)) == 0
-    assert ev.main(tiny_argv(other, out, "--resume")) == 2
-    err = capsys.readouterr().err
+    err = one_line_error(ev.main, tiny_argv(other, out, "--resume"))
     assert f"--model {Path(model_dir).resolve()} (now {other.resolve()})" in err
 
 
@@ -613,7 +613,7 @@ def test_check_resume_compares_every_recorded_setting(tmp_path):
 
 
 def test_resume_after_a_crash_checks_the_settings_written_up_front(model_dir, tmp_path,
-                                                                    monkeypatch, capsys):
+                                                                    monkeypatch, one_line_error):
     """The settings are on disk before the first sample, so a run killed mid-way is checked too."""
     calls = []
 
@@ -631,8 +631,9 @@ def test_resume_after_a_crash_checks_the_settings_written_up_front(model_dir, tm
     assert res["decoding"]["max_new_tokens"] == 40 and res["answer_extraction"] == "boxed"
     assert len(read_jsonl(tmp_path / "tiny.greedy.jsonl")) == 8  # one batch of 8
 
-    assert ev.main(tiny_argv(model_dir, tmp_path, "--max-new-tokens", "30", "--resume")) == 2
-    assert "--max-new-tokens 40 (now 30)" in capsys.readouterr().err
+    err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, "--max-new-tokens", "30",
+                                            "--resume"))
+    assert "--max-new-tokens 40 (now 30)" in err
     generated = []
     monkeypatch.setattr(ev, "generate", constant_generate("\\boxed{0}", generated))
     assert ev.main(tiny_argv(model_dir, tmp_path, "--resume")) == 0
@@ -782,7 +783,8 @@ def test_cli_unknown_answer_extraction():
 # =====================================================================================
 # One-line errors during a run
 # =====================================================================================
-def test_out_of_memory_is_one_line_and_resumable(model_dir, tmp_path, monkeypatch, capsys):
+def test_out_of_memory_is_one_line_and_resumable(model_dir, tmp_path, monkeypatch,
+                                                  one_line_error):
     calls = []
 
     def oom_on_second_batch(model, tok, prompt_ids, stop_ids):
@@ -792,13 +794,12 @@ def test_out_of_memory_is_one_line_and_resumable(model_dir, tmp_path, monkeypatc
         return [("\\boxed{0}", 5, False) for _ in prompt_ids]
 
     monkeypatch.setattr(ev, "generate", oom_on_second_batch)
-    assert ev.main(tiny_argv(model_dir, tmp_path)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: out of memory") and "--batch-size 8" in err[-1]
-    assert "--resume" in err[-1] and "8 samples done" in err[-1]
+    err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path))
+    assert err.startswith("error: out of memory") and "--gen-batch-size 8" in err
+    assert "--resume" in err and "8 samples done" in err
     assert len(read_jsonl(tmp_path / "tiny.greedy.jsonl")) == 8  # kept for --resume
     monkeypatch.setattr(ev, "generate", constant_generate())
-    assert ev.main(tiny_argv(model_dir, tmp_path, "--batch-size", "4", "--resume")) == 0
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--gen-batch-size", "4", "--resume")) == 0
     assert json.loads((tmp_path / "tiny.greedy.json").read_text())["n_samples"] == 16
 
 
@@ -808,3 +809,161 @@ def test_output_dir_that_cannot_be_made(model_dir, tmp_path, monkeypatch):
     blocker.write_text("")
     with pytest.raises(UserError, match="cannot create --output-dir"):
         ev.evaluate(ev.parse_args(tiny_argv(model_dir, blocker / "out")))
+
+
+# =====================================================================================
+# Damaged or mismatched weights, an output folder that cannot be written, non-finite flags:
+# one line each, before any work
+# =====================================================================================
+needs_tiny = pytest.mark.skipif(not (common.TINY_MODEL_DIR / "config.json").is_file(),
+                                reason="bundled tiny model not built")
+
+
+def copy_of_tiny(path: Path) -> Path:
+    shutil.copytree(common.TINY_MODEL_DIR, path, ignore=shutil.ignore_patterns("build.py"))
+    return path
+
+
+@pytest.fixture
+def lora_checkpoint(tmp_path):
+    """(adapters, base): LoRA adapters saved as the training scripts save them (PEFT's format,
+    the tokenizer beside), naming their base, a copy of the bundled tiny model, by full path."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = copy_of_tiny(tmp_path / "base")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.peft_config["default"].base_model_name_or_path = str(base)
+    model.save_pretrained(tmp_path / "checkpoint-1")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "checkpoint-1")
+    return tmp_path / "checkpoint-1", base
+
+
+def cut_short(path: Path) -> Path:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+def small_argv(model, out):
+    return ["--model", str(model), "--benchmarks", "tiny", "--template", "tiny", "--eval-n", "2",
+            "--max-new-tokens", "8", "--device", "cpu", "--output-dir", str(out)]
+
+
+@needs_tiny
+def test_cut_short_weights_are_one_line_naming_the_file(tmp_path, lora_checkpoint, one_line_error):
+    weights = cut_short(copy_of_tiny(tmp_path / "full") / "model.safetensors")
+    err = one_line_error(ev.main, small_argv(weights.parent, tmp_path / "e1"))
+    assert f"the weights file {weights} is cut short" in err
+    adapters = cut_short(lora_checkpoint[0] / "adapter_model.safetensors")
+    err = one_line_error(ev.main, small_argv(adapters.parent, tmp_path / "e2"))
+    assert f"the weights file {adapters} is cut short" in err
+
+
+@needs_tiny
+@pytest.mark.parametrize("layers, width", [(4, 64), (2, 128), (6, 128)])  # tiny: 4 layers of 128
+def test_adapters_whose_base_folder_holds_another_model_are_one_line(layers, width, lora_checkpoint,
+                                                                     tmp_path, one_line_error):
+    """Other widths were a state_dict traceback; other depths loaded, the adapters of missing
+    layers dropped (or layers left without theirs) with no more than a warning."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    adapters, base = lora_checkpoint
+    config = AutoConfig.from_pretrained(base)
+    config.num_hidden_layers, config.layer_types = layers, ["full_attention"] * layers
+    config.hidden_size, config.intermediate_size = width, 3 * width
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)  # the base folder, overwritten
+    err = one_line_error(ev.main, small_argv(adapters, tmp_path / "e"))
+    assert f"the LoRA adapters in {adapters} do not fit the model in {base}" in err
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An existing folder this process cannot write: read-only permissions, or for root (whom
+    permissions do not stop) a read-only file system mounted on it."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    mounted = False
+    if os.access(folder, os.W_OK):
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                                 capture_output=True).returncode == 0
+        if not mounted:
+            folder.chmod(0o755)
+            pytest.skip("cannot make a folder that this user cannot write")
+    yield folder
+    if mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    folder.chmod(0o755)
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(model_dir, read_only_dir,
+                                                                          monkeypatch,
+                                                                          one_line_error):
+    monkeypatch.setattr(ev, "load_benchmark", lambda *a, **k: pytest.fail("a benchmark was loaded"))
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    err = one_line_error(ev.main, tiny_argv(model_dir, read_only_dir))
+    assert err.startswith(f"error: cannot write in --output-dir {read_only_dir}: ")
+    err = one_line_error(ev.main, tiny_argv(model_dir, read_only_dir / "new"))
+    assert err.startswith(f"error: cannot create --output-dir {read_only_dir / 'new'}: ")
+
+
+def test_every_float_flag_must_be_finite_before_any_work(model_dir, tmp_path, monkeypatch,
+                                                         one_line_error):
+    monkeypatch.setattr(ev, "load_benchmark", lambda *a, **k: pytest.fail("a benchmark was loaded"))
+    floats = [f.name for f in dataclasses.fields(ev.Args) if "float" in str(f.type)]
+    assert {"temperature", "top_p"} <= {*floats}
+    for field in floats:
+        flag = "--" + field.replace("_", "-")
+        for value in ("inf", "nan", "-inf"):
+            err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, f"{flag}={value}"))
+            assert err == f"error: {flag} must be a finite number, not {float(value)}", err
+    err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, "--temperature=-1"))
+    assert err == "error: --temperature must be >= 0, not -1.0"  # the range rules are kept
+
+
+# =====================================================================================
+# The house style: the scripts' spellings, each default said once, the scripts' error path
+# =====================================================================================
+def test_flags_are_spelled_as_the_training_scripts_spell_them():
+    import grpo
+
+    ours, theirs = ({f.name for f in dataclasses.fields(a)} for a in (ev.Args, grpo.Args))
+    assert {"gen_batch_size", "eval_n", "max_new_tokens", "answer_extraction"} <= ours & theirs
+    args = ev.parse_args(["--limit", "3", "--batch-size", "5"])  # eval.py's first spellings
+    assert (args.eval_n, args.gen_batch_size) == (3, 5)
+
+
+def test_help_says_each_default_once(capsys):
+    for f in dataclasses.fields(ev.Args):  # the parser adds "(default: ...)" to every line
+        assert "default" not in f.metadata["help"].lower(), f.name
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "unset: tiny for the tiny model, else qwen_math (default: None)" in text
+
+
+def test_errors_take_the_scripts_one_line_path(tmp_path, monkeypatch, one_line_error):
+    import harness
+
+    entered = []
+    real = harness.user_errors
+    monkeypatch.setattr(harness, "user_errors", lambda: entered.append(1) or real())
+    err = one_line_error(ev.main, ["--benchmarks", "math501", "--output-dir", str(tmp_path)])
+    assert entered and err.startswith("error: unknown benchmark 'math501'")
+
+
+def test_answer_extractions_come_from_the_one_list_in_common(model_dir, tmp_path, monkeypatch):
+    def past_the_checks(*a, **k):
+        raise UserError("past the checks")
+
+    monkeypatch.setattr(ev, "load_benchmark", past_the_checks)
+    monkeypatch.setattr(common, "ANSWER_EXTRACTIONS", (*common.ANSWER_EXTRACTIONS, "new"))
+    with pytest.raises(UserError, match="past the checks"):
+        ev.evaluate(ev.Args(model=str(model_dir), answer_extraction="new",
+                            output_dir=str(tmp_path)))
+    monkeypatch.setattr(common, "ANSWER_EXTRACTIONS", ("boxed",))
+    with pytest.raises(UserError, match="--answer-extraction must be one of boxed, not 'math_v"):
+        ev.evaluate(ev.Args(model=str(model_dir), answer_extraction="math_verify",
+                            output_dir=str(tmp_path)))

@@ -14,18 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_check_runs_at_tiny_shapes_on_cpu():
-    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--small"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu",
+                        "--small"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = p.stdout
-    for section in ("## 1. Every script", "## 2. Qwen2.5-Math-1.5B's shapes (small)", "## 3. generate()",
-                    "## 4. eval.py"):
+    for section in ("## 1. Every script", "## 2. Qwen2.5-Math-1.5B's shapes (small)",
+                    "## 3. generate()", "## 4. eval.py"):
         assert section in out, section
     for name in gpu_check.SCRIPTS:
         assert f"| {name} |" in out
     assert "| NO |" not in out  # every logged figure finite
     assert out.count("(exactly 0)") == 2  # a second copy, and LoRA's adapters-off view
-    assert "| full |" in out and "| lora64 |" in out and "| dynamic |" in out and "| static |" in out
+    assert "| full |" in out
+    assert "| lora64 |" in out
+    assert "| dynamic |" in out
+    assert "| static |" in out
     assert "tiny held-out, greedy pass@1" in out and "all checks ran in" in out
 
 
@@ -37,4 +40,6 @@ def test_a_missing_package_names_the_wheels(monkeypatch, capsys):
         gpu_check.main(["--device", "cpu", "--small"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: missing packages: math-verify") and "pip download" in err and "\n" not in err
+    assert err.startswith("error: missing packages: math-verify")
+    assert "pip download" in err
+    assert "\n" not in err

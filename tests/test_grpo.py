@@ -45,14 +45,14 @@ def test_k3_hand_value():
 def test_clipped_ratio_term_hand_values(ratio, A, expected):
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(ratio))
-    loss = grpo.grpo_loss(logp, old, None, torch.tensor([A]), torch.ones(1, 1), eps=0.2, beta=0.0)
+    loss = grpo.grpo_loss(logp, old, None, torch.tensor([A]), torch.ones(1, 1), kl_coef=0.0)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_clip_fraction_counts_only_active_clips():
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.3]]))
-    st = grpo.grpo_stats(logp, old, None, torch.tensor([1.0]), torch.ones(1, 4), eps=0.2)
+    st = grpo.grpo_stats(logp, old, None, torch.tensor([1.0]), torch.ones(1, 4))
     assert st["clip_frac"] == pytest.approx(2 / 4)  # 1.5 and 1.3 are clipped for A > 0
 
 
@@ -67,8 +67,9 @@ def test_seq_mean_token_mean_hand_value():
 def test_grpo_loss_with_kl_hand_value():
     logp = torch.log(torch.tensor([[0.25, 0.5]]))
     ref = torch.log(torch.tensor([[0.5, 0.5]]))
-    loss = grpo.grpo_loss(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]), eps=0.2, beta=0.1)
-    st = grpo.grpo_stats(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]), eps=0.2)
+    loss = grpo.grpo_loss(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]),
+                          kl_coef=0.1)
+    st = grpo.grpo_stats(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]))
     # ratio 1: pg = -2 per token; kl = [1 - log 2, 0]; mean over 2 tokens
     expected = (-2 + 0.1 * (1 - math.log(2)) + -2 + 0.0) / 2
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -76,12 +77,13 @@ def test_grpo_loss_with_kl_hand_value():
 
 
 def test_first_update_gradient_is_policy_gradient():
-    """ratio == 1: the loss value is 0 for zero-mean advantages, the gradient is -A m / (|o_i| B)."""
+    """ratio == 1: the loss value is 0 for zero-mean advantages, the gradient -A m / (|o_i| B)."""
     B, T = 4, 5
     logp = torch.randn(B, T, requires_grad=True)
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]).float()
-    loss = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0]]).float()
+    loss = grpo.grpo_loss(logp, logp.detach(), None, A, mask, kl_coef=0.0)
     loss.backward()
     expected = -A[:, None] * mask / mask.sum(1, keepdim=True) / B
     assert torch.allclose(logp.grad, expected, atol=1e-6)
@@ -97,13 +99,14 @@ def test_micro_batch_invariance_of_loss_and_gradients():
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
 
     full = logp0.clone().requires_grad_()
-    loss_full = grpo.grpo_loss(full, old, ref, A, mask, beta=0.04)
+    loss_full = grpo.grpo_loss(full, old, ref, A, mask, kl_coef=0.04)
     loss_full.backward()
     for k in (2, 3, 8):
         split = logp0.clone().requires_grad_()
         total = 0.0
         for idx in torch.arange(B).tensor_split(k):
-            l = grpo.grpo_loss(split[idx], old[idx], ref[idx], A[idx], mask[idx], beta=0.04, num_seqs=B)
+            l = grpo.grpo_loss(split[idx], old[idx], ref[idx], A[idx], mask[idx], kl_coef=0.04,
+                               num_seqs=B)
             l.backward()
             total += l.item()
         assert total == pytest.approx(loss_full.item(), abs=1e-6)
@@ -113,7 +116,8 @@ def test_micro_batch_invariance_of_loss_and_gradients():
 def test_all_equal_group_gives_finite_loss_and_gradients():
     A = grpo.group_advantages(torch.ones(4), G=4)
     logp = torch.randn(4, 3, requires_grad=True)
-    loss = grpo.grpo_loss(logp, logp.detach() - 0.1, logp.detach(), A, torch.ones(4, 3), beta=0.04)
+    loss = grpo.grpo_loss(logp,
+                          logp.detach() - 0.1, logp.detach(), A, torch.ones(4, 3), kl_coef=0.04)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
@@ -152,7 +156,8 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
                          return_dict_in_generate=True)
     comp = out.sequences[:, enc["input_ids"].shape[1]:]
     mask = torch.ones_like(comp)
-    batch = dict(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], completion_ids=comp, mask=mask)
+    batch = dict(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"],
+                 completion_ids=comp, mask=mask)
     args = grpo.Args(temperature=temperature, bf16=False, device="cpu")
     with torch.no_grad():
         logp, ent, _ = grpo.token_logps_and_entropy(model, batch, torch.arange(2), args)
@@ -169,18 +174,25 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
 def _rollout_batch(tiny_dir, n_prompts=3, G=4):
     model, tok = _tiny_policy(tiny_dir)
     args = grpo.resolve_args(grpo.Args(run_name="x", max_new_tokens=24))
-    prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]]
+    prompts = [
+        tasks.build_prompt(tok, p, "tiny")
+        for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]
+    ]
     torch.manual_seed(0)
-    batch = grpo.generate_rollouts(model, tok, prompts, G, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
+    batch = grpo.generate_rollouts(model, tok, prompts, G, args, grpo.eos_token_ids(model, tok),
+                                   torch.device("cpu"))
     return model, batch, args
 
 
 def _pad_batch(batch, left: int, right: int, pad_id: int) -> dict:
-    """The same rows with `left` more padding columns before the prompts, `right` after the completions."""
-    return dict(batch, prompt_ids=torch.nn.functional.pad(batch["prompt_ids"], (left, 0), value=pad_id),
-                prompt_mask=torch.nn.functional.pad(batch["prompt_mask"], (left, 0)),
-                completion_ids=torch.nn.functional.pad(batch["completion_ids"], (0, right), value=pad_id),
-                mask=torch.nn.functional.pad(batch["mask"], (0, right)))
+    """The same rows with `left` more padding columns before the prompts, `right` after the
+    completions."""
+    return dict(
+        batch, prompt_ids=torch.nn.functional.pad(
+            batch["prompt_ids"], (left, 0), value=pad_id), prompt_mask=torch.nn.functional.pad(
+                batch["prompt_mask"], (left, 0)), completion_ids=torch.nn.functional.pad(
+                    batch["completion_ids"], (0, right), value=pad_id),
+        mask=torch.nn.functional.pad(batch["mask"], (0, right)))
 
 
 def test_micro_batches_cover_rows_once_in_length_order(tiny_dir):
@@ -200,7 +212,8 @@ def test_model_inputs_trim_padding_without_changing_logps(tiny_dir):
     model, batch, args = _rollout_batch(tiny_dir)
     padded = _pad_batch(batch, 3, 5, pad_id=0)
     ids, attn, pos, T = grpo.model_inputs(padded, torch.arange(len(batch["mask"])))
-    assert T == int(batch["mask"].sum(1).max()) and ids.shape[1] == T + int(batch["prompt_mask"].sum(1).max())
+    assert T == int(
+        batch["mask"].sum(1).max()) and ids.shape[1] == T + int(batch["prompt_mask"].sum(1).max())
     short = batch["mask"].sum(1).argsort()[:2]
     assert grpo.model_inputs(batch, short)[3] == int(batch["mask"][short].sum(1).max()) < T
     with torch.no_grad():
@@ -210,15 +223,18 @@ def test_model_inputs_trim_padding_without_changing_logps(tiny_dir):
             assert torch.allclose(pad[k][:, :batch["mask"].shape[1]], ref[k], atol=1e-5)
             assert torch.all(pad[k][:, batch["mask"].shape[1]:] == 0)
         for size in (1, 5):  # batch_logps regroups rows by length and must give them back in order
-            got = grpo.batch_logps(model, batch, grpo.Args(**{**vars(args), "micro_batch_size": size}))
-            assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(got[1], ref[1], atol=1e-5)
+            got = grpo.batch_logps(model, batch,
+                                   grpo.Args(**{**vars(args), "micro_batch_size": size}))
+            assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(
+                got[1], ref[1], atol=1e-5)
     assert torch.all(ref[0][batch["mask"] == 0] == 0)
 
 
 def test_eos_ids_include_both_qwen_ends(tiny_dir):
     model, tok = _tiny_policy(tiny_dir)
     ids = grpo.eos_token_ids(model, tok)
-    assert tok.convert_tokens_to_ids("<|im_end|>") in ids and tok.convert_tokens_to_ids("<|endoftext|>") in ids
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ids and tok.convert_tokens_to_ids(
+        "<|endoftext|>") in ids
 
 
 def test_rollouts_shapes_and_grouping(tiny_dir):
@@ -226,18 +242,22 @@ def test_rollouts_shapes_and_grouping(tiny_dir):
     args = grpo.resolve_args(grpo.Args(run_name="x"))
     prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
     torch.manual_seed(0)
-    b = grpo.generate_rollouts(model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok), torch.device("cpu"))
+    b = grpo.generate_rollouts(model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok),
+                               torch.device("cpu"))
     assert b["completion_ids"].shape[0] == 12 and len(b["texts"]) == 12
     assert torch.equal(b["prompt_ids"][4], b["prompt_ids"][7])
     assert not torch.equal(b["prompt_ids"][3], b["prompt_ids"][4])
-    assert torch.equal(b["mask"], grpo.completion_mask(b["completion_ids"], grpo.eos_token_ids(model, tok)))
+    assert torch.equal(b["mask"],
+                       grpo.completion_mask(b["completion_ids"], grpo.eos_token_ids(model, tok)))
     assert b["truncated"].dtype == torch.bool
 
 
 # ------------------------------------------------------------------ reward
 def test_reward_counts_unparsable():
-    r, c, p = grpo.reward_fn(["x \\boxed{4}", "\\boxed{5}", "no box here"], ["4", "4", "4"], grpo.Args())
-    assert r.tolist() == [1.0, 0.0, 0.0] and c.tolist() == [1.0, 0.0, 0.0] and p.tolist() == [1.0, 1.0, 0.0]
+    r, c, p = grpo.reward_fn(["x \\boxed{4}", "\\boxed{5}", "no box here"], ["4", "4", "4"],
+                             grpo.Args())
+    assert r.tolist() == [1.0, 0.0, 0.0] and c.tolist() == [1.0, 0.0, 0.0
+                                                            ] and p.tolist() == [1.0, 1.0, 0.0]
 
 
 def test_decoded_text_stops_at_the_first_eos(tiny_dir):

@@ -17,17 +17,19 @@ import common
 import eval as ev
 import grpo
 import harness
+import tasks
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-dataset", "none",
-        "--device", "cpu", "--tensorboard", "false"]
+FAST = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-dataset",
+        "none", "--device", "cpu", "--tensorboard", "false"]
 
 
 # =====================================================================================
 # --resume keeps the run's arguments
 # =====================================================================================
-def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_path, one_line_error):
+def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_path,
+                                                                            one_line_error):
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
     run = tmp_path / "r"
     err = one_line_error(grpo.main, ["--resume", str(run), "--lr", "0.5"])
@@ -36,7 +38,8 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_
     assert "--group-size 4 (the run has 2)" in err
     assert [r["step"] for r in harness.read_metrics(run)] == [1]  # nothing ran, nothing was lost
     # the same value as saved is not a change; RESUMABLE flags are applied
-    grpo.main(["--resume", str(run), "--steps", "2", "--lr", "2e-4", "--save-every", "5", "--device", "cpu"])
+    grpo.main(["--resume", str(run), "--steps", "2", "--lr", "2e-4", "--save-every", "5",
+               "--device", "cpu"])
     state = harness.load_trainer_state(harness.find_checkpoint(run))
     assert state["step"] == 2 and state["args"]["save_every"] == 5 and state["args"]["lr"] == 2e-4
 
@@ -44,10 +47,12 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_
 def test_changed_flags_compares_given_flags_only():
     saved = grpo.Args(lr=2e-4, steps=3, group_size=2, model="tiny")
     assert harness.changed_flags(grpo.Args(), saved, grpo.Args()) == []  # nothing given
-    assert harness.changed_flags(grpo.Args(steps=9, device="cpu"), saved, grpo.Args()) == []  # resumable
-    assert harness.changed_flags(grpo.Args(lr=2e-4), saved, grpo.Args()) == []  # equal to the saved value
-    assert harness.changed_flags(grpo.Args(beta=0.0, lr=1e-3), saved, grpo.Args()) == [
-        "--beta 0.0 (the run has 0.04)", "--lr 0.001 (the run has 0.0002)"]
+    # resumable
+    assert harness.changed_flags(grpo.Args(steps=9, device="cpu"), saved, grpo.Args()) == []
+    # equal to the saved value
+    assert harness.changed_flags(grpo.Args(lr=2e-4), saved, grpo.Args()) == []
+    assert harness.changed_flags(grpo.Args(kl_coef=0.0, lr=1e-3), saved, grpo.Args()) == [
+        "--lr 0.001 (the run has 0.0002)", "--kl-coef 0.0 (the run has 0.04)"]
 
 
 # =====================================================================================
@@ -55,9 +60,9 @@ def test_changed_flags_compares_given_flags_only():
 # =====================================================================================
 def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, one_line_error):
     run = tmp_path / "r"
-    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *FAST, "--steps", "100000", "--save-every", "1",
-                              "--output-dir", str(tmp_path), "--run-name", "r"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *FAST, "--steps", "100000",
+                              "--save-every", "1", "--output-dir", str(tmp_path), "--run-name",
+                              "r"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (run / "latest").is_file():
@@ -97,19 +102,26 @@ def _assert_previous_checkpoint_intact(run_dir: Path, step: int):
     assert not list(run_dir.glob(".tmp-checkpoint-*")) and not list(run_dir.glob(".trash-*"))
 
 
-def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path,
+                                                                                  monkeypatch):
     model, tok = _tiny_model_and_tokenizer()
-    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, {"optimizer": {"m": torch.ones(10)}})
+    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1},
+                            {"optimizer": {"m": torch.ones(10)}})
 
-    def full(self, folder, **kwargs):  # what safetensors raises when the disk is full, half-way through
+    # what safetensors raises when the disk is full, half-way through
+    def full(self, folder, **kwargs):
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / "model.safetensors").write_bytes(b"\0" * 100)
-        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error "
+                           "28)")
     monkeypatch.setattr(type(model), "save_pretrained", full)
     with pytest.raises(UserError) as e:
-        harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2}, {"optimizer": {"m": torch.ones(10)}})
+        harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2},
+                                {"optimizer": {"m": torch.ones(10)}})
     msg = str(e.value)
-    assert "\n" not in msg and "cannot write checkpoint-2" in msg and "No space left on device" in msg
+    assert "\n" not in msg
+    assert "cannot write checkpoint-2" in msg
+    assert "No space left on device" in msg
     assert "previous checkpoint and 'latest' are kept" in msg
     _assert_previous_checkpoint_intact(tmp_path, 1)
     assert (tmp_path / "checkpoint-1" / "optimizer.pt").is_file()  # the newest whole one keeps it
@@ -118,7 +130,8 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
 def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
     log = harness.RunLogger(tmp_path, tensorboard=False)
     monkeypatch.setattr(log, "file", _Full())
-    with pytest.raises(UserError, match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"):
+    with pytest.raises(UserError,
+                       match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"):
         log.log(3, {"loss": 1.0})
     monkeypatch.setattr(Path, "write_text", _Full().write)
     with pytest.raises(UserError, match=r"cannot write summary.json in .*No space left on device"):
@@ -150,9 +163,11 @@ def test_a_really_full_disk_during_a_run(tmp_path, one_line_error):
     if shutil.which("mount") is None or not _small_disk(disk, "14m"):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        err = one_line_error(grpo.main, [*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
-                                         "--output-dir", str(disk), "--run-name", "r"])
-        assert "cannot write checkpoint-2" in err and "not enough disk space (it needs about" in err, err
+        err = one_line_error(grpo.main,
+                             [*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+                              "--output-dir", str(disk), "--run-name", "r"])
+        assert "cannot write checkpoint-2" in err, err
+        assert "not enough disk space (it needs about" in err, err
         assert "the previous checkpoint and 'latest' are kept" in err
         _assert_previous_checkpoint_intact(disk / "r", 1)
         shutil.copytree(disk / "r", tmp_path / "r")  # room elsewhere: the run goes on from step 1
@@ -174,9 +189,98 @@ def no_tokenizer(tmp_path):
     return folder
 
 
-def test_a_folder_without_tokenizer_files_is_one_line(no_tokenizer, tmp_path, capsys, one_line_error):
+def test_a_folder_without_tokenizer_files_is_one_line(no_tokenizer, tmp_path, capsys,
+                                                      one_line_error):
     err = one_line_error(grpo.main, ["--model", str(no_tokenizer), "--output-dir", str(tmp_path)])
     assert "has no tokenizer files" in err
-    assert ev.main(["--model", str(no_tokenizer), "--output-dir", str(tmp_path / "e")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "has no tokenizer files" in err and "\n" not in err
+    err = one_line_error(ev.main, ["--model", str(no_tokenizer),
+                                   "--output-dir", str(tmp_path / "e")])
+    assert "has no tokenizer files" in err
+
+
+# =====================================================================================
+# --resume in the cases a careful user still met: no dead end, no traceback, no silent no-op
+# =====================================================================================
+def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys,
+                                                                  one_line_error):
+    argv = [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
+
+    def killed(run, step, metrics):  # as a kill -9 after step 1 is logged, before any save
+        raise RuntimeError("killed")
+    harness.STEP_HOOKS.append(killed)
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            grpo.main(argv)
+    finally:
+        harness.STEP_HOOKS.remove(killed)
+    run = tmp_path / "k"
+    assert [r["step"] for r in harness.read_metrics(run)] == [1]
+    assert not list(run.glob("checkpoint-*"))
+    err = one_line_error(grpo.main, argv)  # the same command again: it names the one that works
+    assert "stopped before its first checkpoint" in err and f"--resume {run}" in err
+    grpo.main(["--resume", str(run)])
+    assert "starting it again from step 0 with its saved arguments" in capsys.readouterr().out
+    grpo.main([*argv[:-1], "u"])  # the same run, never stopped
+    rows, whole = harness.read_metrics(run), harness.read_metrics(tmp_path / "u")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in whole]
+    assert harness.find_checkpoint(run).name == "checkpoint-2"
+
+
+def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_error):
+    rows = [{"problem": r["problem"], "answer": r["answer"]} for r in tasks.tiny_task("train", 16)]
+    data = tmp_path / "train.jsonl"
+
+    def write(rs):
+        data.write_text("".join(json.dumps(r) + "\n" for r in rs))
+    write(rows)
+    grpo.main([*FAST, "--dataset", str(data), "--steps", "2", "--prompts-per-step", "4",
+               "--output-dir", str(tmp_path), "--run-name", "d"])
+    run = tmp_path / "d"
+    write(rows[:3])  # rows removed: the saved position in the data lies past its end
+    err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
+    assert f"the training data ({data}) no longer matches the run" in err
+    assert "it has 3 rows now, the run had 16" in err
+    write([*rows[:-1], {**rows[-1], "answer": "999"}])  # as many rows, one answer changed
+    err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
+    assert "no longer matches the run" in err and "rows differ" in err
+    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2]  # nothing was lost
+    write(rows)  # the data the run was trained on: it goes on
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2, 3]
+
+
+def test_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
+    grpo.main([*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
+               "--output-dir", str(tmp_path), "--run-name", "n"])
+    run = tmp_path / "n"
+    files = ("metrics.jsonl", "summary.json", "args.json", "latest")
+    before = {f: (run / f).read_bytes() for f in files}
+    cases = ((run, [], 2), (run, ["--steps", "2"], 2), (run, ["--steps", "1"], 2),
+             (run / "checkpoint-1", ["--steps", "1"], 1))  # an older checkpoint, at its own step
+    for resume, extra, at in cases:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            grpo.main(["--resume", str(resume), *extra])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and "nothing to train" in out, out
+        assert f"at step {at} already" in out and "give a larger --steps" in out
+    assert {f: (run / f).read_bytes() for f in files} == before  # untouched
+
+
+def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(tmp_path,
+                                                                             one_line_error):
+    pytest.importorskip("peft")
+    grpo.main([*FAST, "--steps", "2", "--save-every", "1", "--lora-rank", "4",
+               "--output-dir", str(tmp_path), "--run-name", "l"])
+    run = tmp_path / "l"
+    bad = run / "checkpoint-2" / "adapter_model.safetensors"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # a copy that stopped half-way
+    err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
+    assert f"the weights file {bad} is cut short" in err
+    first = run / "checkpoint-1"
+    assert f"{first}, is intact: continue from it with --resume {first}" in err
+    grpo.main(["--resume", str(first), "--steps", "2"])  # as the error says
+    assert harness.find_checkpoint(run).name == "checkpoint-2"
+    assert tasks.damaged_weights(run / "checkpoint-2") is None
+    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2]

@@ -201,7 +201,8 @@ def test_tepo_loss_path_equals_tepo_loss_on_fixed_inputs(tepo_trainer, monkeypat
     assert 0 < M.sum() < mask.sum()  # the mask selects some tokens, not all
     kl_logp = inputs["ref_per_token_logps"] if kl_target == "ref" else old
     ref_logp = logp0.clone().requires_grad_()
-    want = tepo.tepo_loss(ref_logp, old, kl_logp, A, mask, M, 37.0, 0.2, 0.28, 0.04, ratio_level)
+    want = tepo.tepo_loss(ref_logp, old, kl_logp, A, mask, M, 0.2, 0.28, 0.04, ratio_level,
+                          num_tokens=37.0)
     want.backward()
     hand_logp = logp0.clone().requires_grad_()
     hand = _tepo_by_hand(hand_logp, old, kl_logp, A, mask, M, 37.0, 0.2, 0.28, 0.04, ratio_level)
@@ -241,7 +242,7 @@ def test_micro_batches_of_one_optimizer_step_add_up_to_the_unsplit_token_mean(te
     want = tepo.tepo_loss(whole, inputs["old_per_token_logps"], inputs["ref_per_token_logps"],
                           inputs["advantages"], inputs["completion_mask"],
                           (inputs["advantages"][:, None] > 0) & (inputs[tt.ENTROPY_CHANGE] > 0)
-                          & inputs["completion_mask"].bool(), N, 0.2, 0.28)
+                          & inputs["completion_mask"].bool(), 0.2, 0.28, num_tokens=N)
     want.backward()
     total, grads = 0.0, []
     for rows in (slice(0, 1), slice(1, 4)):  # unequal micro-batches, one window
@@ -320,7 +321,7 @@ def test_tepo_loss_through_the_model_matches_tepo_py(tepo_trainer, tok):
     M = (A[:, None] > 0) & (c > 0) & mask.bool()
     assert 0 < M.sum() < mask.sum()
     want = tepo.tepo_loss(logp.double(), inputs["old_per_token_logps"],
-                          inputs["ref_per_token_logps"], A, mask, M, 30.0, 0.2, 0.28)
+                          inputs["ref_per_token_logps"], A, mask, M, 0.2, 0.28, num_tokens=30.0)
     want.backward()
     assert abs(loss.item() - want.item()) < 1e-6
     # both paths compute log-probs in float32 internally: agreement ~5e-7 of the largest gradient
@@ -333,7 +334,8 @@ def test_tepo_loss_through_the_model_matches_tepo_py(tepo_trainer, tok):
 # ================================================================ configs
 def test_configs_map_tepo_and_erpo_flags_and_refuse_what_they_would_ignore(tmp_path):
     cfg = _config(tt.TEPOConfig, tmp_path)
-    assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (3e-4, 4e-4, 0.04, 0.04)  # tepo.py's
+    # tepo.py's
+    assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (3e-4, 4e-4, 0.04, 0.04)
     assert (cfg.ratio_level, cfg.entropy_test, cfg.kl_target, cfg.entropy_tol) == \
         ("sequence", "predicted", "ref", 1e-3)
     assert cfg.disable_dropout and not cfg.vllm_importance_sampling_correction
@@ -405,7 +407,7 @@ def test_erpo_loss_path_equals_erpo_loss_on_fixed_inputs(erpo_trainer, monkeypat
     old, ref, A, mask = (inputs[k] for k in ("old_per_token_logps", "ref_per_token_logps",
                                              "advantages", "completion_mask"))
     want_logp = logp0.clone().requires_grad_()
-    want = erpo.erpo_loss(want_logp, old, ref, A, mask, 0.2, 0.04, num_seqs=6.0)
+    want = erpo.erpo_loss(want_logp, old, ref, A, mask, 0.2, 0.2, 0.04, num_seqs=6.0)
     want.backward()
     hand_logp = logp0.clone().requires_grad_()
     r, m = torch.exp(hand_logp - old), mask.bool()
@@ -479,12 +481,14 @@ def test_tepo_trainer_with_a_peft_config_trains_only_the_adapters(tok, prompts, 
     assert peft_config.r == 4 and peft_config.lora_dropout == 0.0
     cfg = _config(tt.TEPOConfig, tmp_path, max_steps=2, logging_steps=1, steps_per_generation=2,
                   gradient_accumulation_steps=1, max_completion_length=32, learning_rate=1e-2)
-    trainer = tt.TEPOTrainer(model=str(common.TINY_MODEL_DIR), reward_funcs=_tiebreak_reward, args=cfg,
-                             train_dataset=prompts, processing_class=tok, peft_config=peft_config)
+    trainer = tt.TEPOTrainer(model=str(common.TINY_MODEL_DIR), reward_funcs=_tiebreak_reward,
+                             args=cfg, train_dataset=prompts, processing_class=tok,
+                             peft_config=peft_config)
     assert trainer.ref_model is None
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     trainer.train()
-    moved = {k for k, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[k])}
+    moved = {k for k, p in trainer.model.named_parameters()
+             if not torch.equal(p.detach(), before[k])}
     assert moved and all("lora_" in k for k in moved)
     first = [h for h in trainer.state.log_history if "loss" in h][0]
     assert first["tepo/kl"] == pytest.approx(0, abs=1e-6)
@@ -507,7 +511,8 @@ def _two_process_check():
     tok = _tok()
     prompts = _prompts(tok)
     kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4)
-    tr = _trainer(tt.TEPOTrainer, _config(tt.TEPOConfig, "/tmp/tepo-2p", **kw, **PPO_CLIP), tok, prompts)
+    tr = _trainer(tt.TEPOTrainer, _config(tt.TEPOConfig, "/tmp/tepo-2p", **kw, **PPO_CLIP), tok,
+                  prompts)
     acc = tr.accelerator
     P, rank = acc.num_processes, acc.process_index
     assert P == 2, P
@@ -540,7 +545,7 @@ def _two_process_check():
     mask, A = cat("completion_mask"), cat("advantages")
     M = (A[:, None] > 0) & (cat(tt.ENTROPY_CHANGE) > 0) & mask.bool()
     want = tepo.tepo_loss(logp_all, cat("old_per_token_logps"), cat("ref_per_token_logps"), A,
-                          mask, M, mask.sum().item(), 0.2, 0.28)
+                          mask, M, 0.2, 0.28, num_tokens=mask.sum().item())
     want.backward()
     assert abs(mean_loss.item() - want.item()) < 1e-12, (mean_loss.item(), want.item())
     start = keys.index((rank, 0)) * 2
@@ -560,7 +565,8 @@ def _two_process_check():
                          advantages=torch.randn(2, generator=g),
                          **{tt.OLD_ENTROPY: torch.rand(2, T, generator=g)}))
     A_it, stats = er.token_advantages(full[rank])
-    pad = lambda x: torch.nn.functional.pad(x, (0, 6 - x.shape[1])) if x.dim() == 2 else x  # noqa: E731
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, 6 - x.shape[1])) if x.dim() == 2 else x
     F = {k: torch.cat([pad(f[k]) for f in full]) for k in full[0]}
     m = F["completion_mask"]
     W = erpo.entropy_gate(F[tt.OLD_ENTROPY], m, 4, 5.0)

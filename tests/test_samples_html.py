@@ -4,7 +4,7 @@ coloured by each algorithm quantity, every value on hover, and the right tokens 
 import re
 from html.parser import HTMLParser
 
-import harness
+import common
 
 
 class Spans(HTMLParser):
@@ -40,15 +40,19 @@ def _parse(path):
 
 def test_renderer_colours_each_quantity_and_escapes_text(tmp_path):
     rows = [{"header": "reward +1.000", "prompt": "7+5-8 <b>", "tokens": ["a", "<", "&"],
-             "values": {"entropy": [0.0, 1.0, 2.0], "kl_mask": [0.0, 1.0, 0.0], "adv": [-1.0, 0.0, 1.0]}}]
+             "values": {"entropy": [0.0, 1.0, 2.0], "kl_mask": [0.0, 1.0, 0.0],
+                        "adv": [-1.0, 0.0, 1.0]}}]
     path = tmp_path / "s.html"
-    path.write_text(harness.token_html("t", rows))
+    path.write_text(common.token_html("t", rows))
     p = _parse(path)
     assert p.external == []  # self-contained: no network
-    assert [s["text"] for s in p.spans] == ["a", "<", "&"]  # escaped in the file, text again when parsed
+    # escaped in the file, text again when parsed
+    assert [s["text"] for s in p.spans] == ["a", "<", "&"]
     white = "rgb(255,255,255)"
-    assert [s["attrs"]["data-kl_mask"] == white for s in p.spans] == [True, False, True]  # marked tokens
-    assert p.spans[0]["attrs"]["data-entropy"] == white and p.spans[2]["attrs"]["data-entropy"] != white
+    # marked tokens
+    assert [s["attrs"]["data-kl_mask"] == white for s in p.spans] == [True, False, True]
+    assert p.spans[0]["attrs"]["data-entropy"] == white
+    assert p.spans[2]["attrs"]["data-entropy"] != white
     # a quantity that crosses 0 is diverging: negative blue, zero white, positive red
     neg, zero, pos = (s["attrs"]["data-adv"] for s in p.spans)
     assert neg == "rgb(0,0,255)" and zero == white and pos == "rgb(255,0,0)"
@@ -59,13 +63,15 @@ def test_tepo_run_marks_exactly_the_tokens_of_its_kl_mask(tmp_path):
     """TEPO's page shows the predicted mask: marked iff the completion's advantage is positive
     and c > 0 at that token."""
     import tepo
-    tepo.main(["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "8",
-               "--num-mini-batches", "1", "--eval-dataset", "none", "--tensorboard", "false",
+    tepo.main(["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size",
+               "8", "--num-mini-batches", "1", "--eval-dataset", "none", "--tensorboard", "false",
                "--output-dir", str(tmp_path), "--run-name", "h"])
     page = tmp_path / "h" / "samples" / "step-1.html"
     text = page.read_text()
     advantages = [float(a) for a in re.findall(r"advantage ([+-][0-9.]+)", text)]
-    assert len(advantages) == 4 and "<option>kl_mask</option>" in text and "<option>c</option>" in text
+    assert len(advantages) == 4
+    assert "<option>kl_mask</option>" in text
+    assert "<option>c</option>" in text
     blocks = text.split("<div class='sample'>")[1:]
     marked = 0
     for adv, block in zip(advantages, blocks):

@@ -331,7 +331,7 @@ def test_policy_loss_gradient_hand_value_and_equals_literal_eq8():
     A = torch.tensor([[2.0, 2.0, 2.0, -1.0, 0.0], [0.5, 0.5, 1.5, -2.0, 0.0]])
     N = 8
     logp = (old + diff).requires_grad_()
-    loss = sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, N, dual_clip=None)
+    loss = sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, num_tokens=N, dual_clip=None)
     loss.backward()
     # unclipped segments: d loss / d logp_t = -s_m A_m / N, the same on every token of m
     s00 = math.exp(-0.1)
@@ -355,13 +355,14 @@ def test_clipping_is_per_segment_not_per_token():
     old = torch.zeros(1, 2)
     logp = torch.tensor([[0.6, -0.4]], requires_grad=True)
     seg_id, seg_mask, mask = torch.tensor([[0, 0]]), torch.tensor([[True]]), torch.ones(1, 2)
-    loss = sapo.sapo_policy_loss(logp, old, torch.ones(1, 2), seg_id, seg_mask, mask, 2)
+    loss = sapo.sapo_policy_loss(logp, old, torch.ones(1, 2), seg_id, seg_mask, mask, num_tokens=2)
     loss.backward()
     assert loss.item() == pytest.approx(-math.exp(0.1), abs=1e-6)
     assert _close(logp.grad, [[-math.exp(0.1) / 2] * 2])
     # shift the segment to e^0.3 = 1.35 > 1.28: the whole segment is clipped at 1.28, zero grad
     logp2 = torch.tensor([[0.8, -0.2]], requires_grad=True)
-    loss2 = sapo.sapo_policy_loss(logp2, old, torch.ones(1, 2), seg_id, seg_mask, mask, 2)
+    loss2 = sapo.sapo_policy_loss(logp2, old, torch.ones(1, 2), seg_id, seg_mask, mask,
+                                  num_tokens=2)
     loss2.backward()
     assert loss2.item() == pytest.approx(-1.28, abs=1e-6)
     assert logp2.grad.tolist() == [[0.0, 0.0]]
@@ -376,7 +377,7 @@ def test_dual_clip_caps_negative_advantage_loss_at_c():
     A = torch.tensor([[-2.0, -2.0]])
     # seg 0: s = e^1.5 = 4.48 > 3 -> loss 2 * 3 = 6 and no gradient; seg 1: s = 2 < 3 -> 2 * 2 = 4
     logp = torch.tensor([[1.5, math.log(2.0)]], requires_grad=True)
-    loss = sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, 2, dual_clip=3.0)
+    loss = sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, num_tokens=2, dual_clip=3.0)
     loss.backward()
     assert loss.item() == pytest.approx((6.0 + 4.0) / 2, abs=1e-5)
     assert _close(logp.grad, [[0.0, 2.0 * 2.0 / 2]], 1e-5)
@@ -384,12 +385,12 @@ def test_dual_clip_caps_negative_advantage_loss_at_c():
     assert st["dual_clip_frac"] == 0.5
     # without the dual clip: 2 * e^1.5 on seg 0, with gradient 2 * e^1.5 / 2
     logp.grad = None
-    loss = sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, 2, dual_clip=None)
+    loss = sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, num_tokens=2, dual_clip=None)
     loss.backward()
     assert loss.item() == pytest.approx((2 * math.exp(1.5) + 4.0) / 2, abs=1e-5)
     assert logp.grad[0, 0].item() == pytest.approx(math.exp(1.5), abs=1e-5)
     with pytest.raises(ValueError):
-        sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, 2, dual_clip=1.0)
+        sapo.sapo_policy_loss(logp, old, A, seg_id, seg_mask, mask, num_tokens=2, dual_clip=1.0)
 
 
 def test_log_ratio_clamp_at_twenty():
@@ -407,7 +408,7 @@ def test_log_ratio_clamp_at_twenty():
 def test_policy_loss_hand_value_on_first_update_is_minus_mean_advantage():
     old, _, seg_id, seg_mask, mask = _ratio_example()
     A = torch.tensor([[2.0, 2.0, 2.0, -1.0, 0.0], [0.5, 0.5, 1.5, -2.0, 0.0]])
-    loss = sapo.sapo_policy_loss(old.clone(), old, A, seg_id, seg_mask, mask, 8)
+    loss = sapo.sapo_policy_loss(old.clone(), old, A, seg_id, seg_mask, mask, num_tokens=8)
     assert loss.item() == pytest.approx(-(6.0 - 1.0 + 1.0 + 1.5 - 2.0) / 8, abs=1e-6)
 
 
@@ -424,13 +425,13 @@ def test_policy_loss_micro_batch_invariance_of_value_and_gradient():
     N = mask.sum()
 
     whole = base.clone().requires_grad_()
-    loss = sapo.sapo_policy_loss(whole, old, A, seg_id, seg_mask, mask, N)
+    loss = sapo.sapo_policy_loss(whole, old, A, seg_id, seg_mask, mask, num_tokens=N)
     loss.backward()
     split = base.clone().requires_grad_()
     total = 0.0
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
         part = sapo.sapo_policy_loss(split[rows], old[rows], A[rows], seg_id[rows], seg_mask[rows],
-                                     mask[rows], N)
+                                     mask[rows], num_tokens=N)
         part.backward()
         total += part.item()
     assert total == pytest.approx(loss.item(), abs=1e-6)
@@ -526,7 +527,7 @@ def test_non_finite_values_on_padding_do_not_leak_into_losses_or_gradients():
     old, diff, seg_id, seg_mask, mask = _ratio_example()
     A = torch.tensor([[2.0, 2.0, 2.0, -1.0, 0.0], [0.5, 0.5, 1.5, -2.0, 0.0]])
     clean = (old + diff).requires_grad_()
-    ref_loss = sapo.sapo_policy_loss(clean, old, A, seg_id, seg_mask, mask, 8)
+    ref_loss = sapo.sapo_policy_loss(clean, old, A, seg_id, seg_mask, mask, num_tokens=8)
     ref_loss.backward()
 
     dirty_old, dirty_A = old.clone(), A.clone()
@@ -534,7 +535,7 @@ def test_non_finite_values_on_padding_do_not_leak_into_losses_or_gradients():
     base = (old + diff)
     base[:, 4] = INF
     dirty = base.requires_grad_()
-    loss = sapo.sapo_policy_loss(dirty, dirty_old, dirty_A, seg_id, seg_mask, mask, 8)
+    loss = sapo.sapo_policy_loss(dirty, dirty_old, dirty_A, seg_id, seg_mask, mask, num_tokens=8)
     loss.backward()
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ref_loss.item(), abs=1e-7)
     assert torch.isfinite(dirty.grad).all() and torch.allclose(dirty.grad, clean.grad)

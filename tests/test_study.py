@@ -1,6 +1,6 @@
-"""tools/study.py: a smoke study end to end (2 steps, one seed, grpo and tepo, small batches), skipping
-finished runs, continuing a run with --steps, stopping on SIGTERM, failures, and the aggregation
-and verdict rule on hand-made metrics with hand-computed values."""
+"""tools/study.py: a smoke study end to end (2 steps, one seed, grpo and tepo, small batches),
+skipping finished runs, continuing a run with --steps, stopping on SIGTERM, failures, and the
+aggregation and verdict rule on hand-made metrics with hand-computed values."""
 
 import csv
 import doctest
@@ -97,8 +97,9 @@ def test_errors_are_one_line(tmp_path, capsys):
         (["--configs", "grpo,nope"], "unknown config 'nope'"),
         (["--seeds", "1,x"], "--seeds must be a comma list"),
         (["--threshold-frac", "1.5"], "--threshold-frac must be in (0, 1]"),
-        (["--threshold", "0", "--no-run"], "--threshold must be in (0, 1]"),  # --no-run: a broken
-        (["--threshold", "1.01", "--no-run"], "--threshold must be in (0, 1]"),  # check trains nothing
+        # --no-run: a broken check trains nothing
+        (["--threshold", "0", "--no-run"], "--threshold must be in (0, 1]"),
+        (["--threshold", "1.01", "--no-run"], "--threshold must be in (0, 1]"),
         (["--jobs", "0"], "--jobs must be at least 1"),
         (["--no-run"], "no runs in"),
     ):
@@ -181,13 +182,15 @@ def test_configs_and_settings(tmp_path):
     assert default[-3:] == ["tepo-token-ratio", "tepo-no-kl", "tepo-mask-ref"]
     for name in ("erpo", "sapo"):
         assert (name in default) == study.script_available(name)
-    assert "tepo-seq-gspo" not in default and "tepo-seq-ppo" not in default  # candidates: only by --configs
+    # candidates: only by --configs
+    assert "tepo-seq-gspo" not in default and "tepo-seq-ppo" not in default
     assert study.resolve_configs("grpo,tepo-seq-gspo") == ["grpo", "tepo-seq-gspo"]
     # PLAN.md's candidates with their clips spelled out, whatever tepo.py's default is
     assert study.CONFIGS["tepo-seq-ppo"] == ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"])
     assert study.CONFIGS["tepo-seq-gspo"] == ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"])
-    assert study.CONFIGS["tepo-token-ratio"] == ("tepo", ["--ratio-level", "token", "--clip-low", "0.2",
-                                                          "--clip-high", "0.28"])
+    assert study.CONFIGS["tepo-token-ratio"] == ("tepo",
+                                                 ["--ratio-level", "token", "--clip-low", "0.2",
+                                                  "--clip-high", "0.28"])
     assert study.CANDIDATES == ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
     assert study.resolve_seeds("3,1") == [3, 1]
     args = study.Args()
@@ -324,8 +327,10 @@ def test_threshold_and_aggregate():
     assert g["reach_steps"] == [None, 100, 110] and g["reach_seconds"] == [None, 300.0, 330.0]
     assert g["sampled"] == [0.5, 0.6, 0.7] and g["start"] == [0.2] * 3 and g["steps"] == 150
     assert g["mask_frac"] == [None] * 3 and g["seconds_per_step"] == [3.0] * 3
-    masked = [{**r, "mask_frac": 0.1 * (r["step"] % 3)} if r["step"] else r for r in _rows(None, steps=6)]
-    assert study.aggregate({("tepo", 1): masked}, ["tepo"], thr)["tepo"]["mask_frac"][0] == pytest.approx(0.1)
+    masked = [{**r, "mask_frac": 0.1 * (r["step"] % 3)} if r["step"] else r
+              for r in _rows(None, steps=6)]
+    assert study.aggregate({("tepo", 1): masked}, ["tepo"],
+                           thr)["tepo"]["mask_frac"][0] == pytest.approx(0.1)
     assert stats["tepo"]["reach_steps"] == [None]
     assert study.threshold_of({("tepo", 1): _rows(10)}, 0.9) is None
 
@@ -465,7 +470,8 @@ def test_bootstrap_ci():
     for seed in (0, 1):
         one = sum(random.Random(seed).choices(values, k=5)) / 5
         assert study.bootstrap_ci(values, n_boot=1, seed=seed) == (one, one)
-    assert study.bootstrap_ci(values, n_boot=1, seed=0) != study.bootstrap_ci(values, n_boot=1, seed=1)
+    one, other = (study.bootstrap_ci(values, n_boot=1, seed=s) for s in (0, 1))
+    assert one != other
     with pytest.raises(ValueError):
         study.bootstrap_ci([])
 
@@ -512,8 +518,10 @@ def test_candidate_scores_take_the_larger_ratio():
     stats = {"grpo": _st([100, 200]), "dapo": _st([200, 100]), "tepo-seq-ppo": _st([20, 100]),
              "tepo-seq-gspo": _st([70, 70]), "tepo-token-ratio": _st([200, 200])}
     scores = study.candidate_scores(stats)
-    assert scores == pytest.approx({"tepo-seq-ppo": 0.55, "tepo-seq-gspo": 0.525, "tepo-token-ratio": 1.5})
-    assert study.candidate_scores({"grpo": _st([100]), "tepo-seq-ppo": _st([50])}) == {"tepo-seq-ppo": None}
+    assert scores == pytest.approx({"tepo-seq-ppo": 0.55, "tepo-seq-gspo": 0.525,
+                                    "tepo-token-ratio": 1.5})
+    assert study.candidate_scores({"grpo": _st([100]),
+                                   "tepo-seq-ppo": _st([50])}) == {"tepo-seq-ppo": None}
 
 
 BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
@@ -522,8 +530,8 @@ BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
 def test_pick_default_lowest_score_when_the_interval_excludes_0():
     # scores: tepo 0.9, gspo 0.6, token 0.8; gspo - token = -30, -20, -10: CI [-30, -10], no 0.
     # token's accuracy is far higher, but the accuracy does not decide here.
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.5), "tepo-seq-gspo": _st([50, 60, 70], 0.5),
-             "tepo-token-ratio": _st([80, 80, 80], 0.7)}
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.5),
+             "tepo-seq-gspo": _st([50, 60, 70], 0.5), "tepo-token-ratio": _st([80, 80, 80], 0.7)}
     name, why = study.pick_default(stats)
     assert name == "tepo-seq-gspo", why
     assert "tepo-seq-ppo 0.900, tepo-seq-gspo 0.600, tepo-token-ratio 0.800" in why
@@ -535,18 +543,19 @@ def test_pick_default_accuracy_decides_when_the_interval_contains_0():
     # mean is 0 only when all three draws are seed 1 (p 1/27 = 3.7% > 2.5%), so CI [-20, 0]
     # holds 0 at its end. Then token's accuracy, 0.05 higher, wins; tepo's, higher still, is not
     # one of the two best and does not count.
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([80, 70, 60], 0.5),
-             "tepo-token-ratio": _st([80, 80, 80], 0.55)}
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9),
+             "tepo-seq-gspo": _st([80, 70, 60], 0.5), "tepo-token-ratio": _st([80, 80, 80], 0.55)}
     name, why = study.pick_default(stats)
     assert name == "tepo-token-ratio", why
-    assert "[95% CI -20.0, +0.0] contains 0" in why and "tepo-seq-gspo 0.500, tepo-token-ratio 0.550" in why
+    assert "[95% CI -20.0, +0.0] contains 0" in why
+    assert "tepo-seq-gspo 0.500, tepo-token-ratio 0.550" in why
 
 
 def test_pick_default_tepo_stays_when_accuracies_are_within_0_01():
     # scores: gspo 0.6, token 0.617, tepo 0.9 (last); gspo - token = -5, -5, +5: CI [-5, 5].
     # Accuracies 0.60 and 0.61: within 0.01 (the end included), so (a) tepo stays, last or not.
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9), "tepo-seq-gspo": _st([50, 60, 70], 0.6),
-             "tepo-token-ratio": _st([55, 65, 65], 0.61)}
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9),
+             "tepo-seq-gspo": _st([50, 60, 70], 0.6), "tepo-token-ratio": _st([55, 65, 65], 0.61)}
     name, why = study.pick_default(stats)
     assert name == "tepo-seq-ppo", why
     assert "contains 0" in why and "(a) `tepo-seq-ppo` stays" in why
@@ -573,27 +582,30 @@ def _summary(tmp_path, runs, threshold=None, **args):
     configs = list(dict.fromkeys(c for c, _ in runs))
     thr = threshold if threshold is not None else study.threshold_of(runs, 0.9)
     stats = study.aggregate(runs, configs, thr, eval_every=10)
-    study.write_summary(tmp_path, study.Args(configs=",".join(configs), threshold=threshold, **args),
-                        stats, thr, [], configs)
+    study.write_summary(tmp_path,
+                        study.Args(configs=",".join(configs), threshold=threshold, **args), stats,
+                        thr, [], configs)
     return (tmp_path / "summary.md").read_text()
 
 
 def test_summary_paired_section_development(tmp_path):
     # threshold 0.9 x 0.6 = 0.54. Censored steps: grpo 40, 60, 80; dapo 80, 120, 170 (never);
     # tepo 20, 30, 40; gspo 170 (never, final 0.2), 30, 40; token 20, 40, 40. With three seeds
-    # each end of an interval has p 1/27 > 2.5%: the intervals are [min, max] of the per-seed values.
+    # each end of an interval has p 1/27 > 2.5%: the intervals are [min, max] of per-seed values.
     runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None],
                        **{"tepo-seq-ppo": [20, 30, 40], "tepo-seq-gspo": [None, 30, 40],
                           "tepo-token-ratio": [20, 40, 40]})
     summary = _summary(tmp_path, runs)
-    assert "## Verdict" in summary and "| tepo-seq-ppo | 3 | 160 |" in summary  # the first study's content
+    # the first study's content
+    assert "## Verdict" in summary and "| tepo-seq-ppo | 3 | 160 |" in summary
     assert "## Paired by seed (docs/study/PLAN.md)" in summary
     assert "`--threshold 0.54`" in summary or "`--threshold 0.5399999999999999`" in summary
     # tepo - grpo = -20, -30, -40; ratios 0.5 each; accuracies alike
     assert "| tepo-seq-ppo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | " \
            "+0.000 [+0.000, +0.000] |" in summary
     # tepo - dapo = -60, -90, -130 (mean -93.3); ratios 0.25, 0.25, 40/170 = 0.235 (mean 0.245)
-    assert "| tepo-seq-ppo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |" in summary
+    assert ("| tepo-seq-ppo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |"
+            in summary)
     # gspo - grpo = 130, -30, -40 (mean 20); ratios 4.25, 0.5, 0.5 (mean 1.75); acc -0.4, 0, 0
     assert "| tepo-seq-gspo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | " \
            "-0.133 [-0.400, +0.000] |" in summary
@@ -616,8 +628,10 @@ def test_summary_paired_section_confirmation(tmp_path):
     runs = _study_runs(grpo=[80, 120, None], dapo=[40, 60, 80], **{"tepo-seq-gspo": [30, 50, 60]})
     summary = _summary(tmp_path, runs, threshold=0.54)
     assert "**Threshold**: 0.540 held-out sampled accuracy fixed by --threshold 0.54." in summary
-    assert "| tepo-seq-gspo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |" in summary
-    assert "| tepo-seq-gspo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |" in summary
+    assert ("| tepo-seq-gspo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |"
+            in summary)
+    assert ("| tepo-seq-gspo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |"
+            in summary)
     assert ("**Verdict on \"50% faster\" by PLAN.md's rule** (`tepo-seq-gspo`, seeds 1, 2, 3): "
             "against GRPO **confirmed** (ratio 0.382 [0.353, 0.417]); against DAPO **refuted** "
             "(ratio 0.778 [0.750, 0.833]). The claim: **refuted**.") in summary
@@ -645,7 +659,8 @@ def test_console_prints_the_plans_verdict(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == ("verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): refuted "
                     "(`tepo-seq-gspo`, docs/study/PLAN.md's rule)"), last
-    assert "No verdict by this rule" in (out / "summary.md").read_text()  # the first rule's paragraph
+    # the first rule's paragraph
+    assert "No verdict by this rule" in (out / "summary.md").read_text()
 
 
 def test_summary_without_the_paired_section(tmp_path):
@@ -660,7 +675,8 @@ def test_fixed_threshold_from_disk(tmp_path):
     out = tmp_path / "s"
     for seed, reach in zip((1, 2, 3), [40, 50, 60]):
         _write_run(out, f"tepo-s{seed}", reach)
-    assert study.main(["--configs", "tepo", "--out", str(out), "--no-run", "--threshold", "0.5"]) == 0
+    assert study.main(["--configs", "tepo", "--out", str(out), "--no-run", "--threshold",
+                       "0.5"]) == 0
     summary = (out / "summary.md").read_text()
     assert "**Threshold**: 0.500 held-out sampled accuracy fixed by --threshold 0.5." in summary
     assert "- tepo: s1 40, s2 50, s3 60" in summary
@@ -689,12 +705,13 @@ def test_intervals_figure_needs_both_baselines(tmp_path):
     assert (tmp_path / "intervals.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small(tmp_path, monkeypatch):
+def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small(tmp_path,
+                                                                                 monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.axes
     from PIL import Image
-    runs = {(c, s): _rows(r) for c, r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-gspo", 50))
-            for s in (1, 2)}
+    runs = {(c, s): _rows(r) for c,
+            r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-gspo", 50)) for s in (1, 2)}
     drawn = []  # (panel title, labels of its lines), captured as the figure is saved
     real_savefig = matplotlib.figure.Figure.savefig
 
@@ -705,9 +722,10 @@ def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     assert study.plot_curves(tmp_path, runs, ["grpo", "dapo", "tepo", "tepo-seq-gspo"], 0.5) is True
     acc = {t: labels for t, labels in drawn if t.startswith("held-out sampled acc")}
-    assert acc["held-out sampled acc: baselines and other scripts"] == ["grpo", "dapo", "threshold 0.500"]
-    assert acc["held-out sampled acc: TEPO configs"] == ["grpo (reference)", "tepo", "tepo-seq-gspo",
-                                                         "threshold 0.500"]
+    assert acc["held-out sampled acc: baselines and other scripts"] == ["grpo", "dapo",
+                                                                         "threshold 0.500"]
+    assert acc["held-out sampled acc: TEPO configs"] == ["grpo (reference)", "tepo",
+                                                         "tepo-seq-gspo", "threshold 0.500"]
     png = tmp_path / "curves.png"
     assert png.stat().st_size < 300_000
     with Image.open(png) as im:

@@ -4,13 +4,12 @@ tool on a made-up study folder."""
 import doctest
 import json
 
-import pytest
-
 from tools import study_real as sr
 
 
 def _run(folder, name, greedy, cut=0.5, finished=True, diag=None):
-    """A fake finished run: held-out greedy at steps 0/15/30/45/60, truncated_frac `cut` every step."""
+    """A fake finished run: held-out greedy at steps 0/15/30/45/60, truncated_frac `cut` at every
+    training step."""
     d = folder / "runs" / name
     d.mkdir(parents=True)
     rows = []
@@ -33,7 +32,8 @@ def test_doctests():
 
 def test_the_rules_by_hand():
     grpo = 43 / 384  # the recorded GRPO gains 24, 13 and 6 of 128
-    assert sr.classify({1: 7 / 128, 2: 7 / 128, 3: 0.0}, grpo) == "weak"  # 2 of 3, mean 0.036 < 0.056
+    # 2 of 3, mean 0.036 < 0.056
+    assert sr.classify({1: 7 / 128, 2: 7 / 128, 3: 0.0}, grpo) == "weak"
     assert sr.classify({1: 7 / 128, 2: 8 / 128, 3: 7 / 128}, grpo) == "learns"  # mean 0.057
     assert sr.classify({1: 6 / 128, 2: 6 / 128, 3: 0.5}, grpo) == "fails"  # 6/128 < 0.05 twice
     assert sr.attribution({"tepo-seq-ppo": "learns", "tepo-seq-mean": "weak"}, None, None) == \

@@ -29,7 +29,7 @@ PPO_CLIP = dict(clip_low=0.2, clip_high=0.28)  # the hand values below are worke
 
 def _loss(logp, old, A, mask, M, kl_logp, N, **kw):
     # positional order of the API: logp, old_logp, kl_logp, advantages, mask, M, num_tokens
-    return tepo.tepo_loss(logp, old, kl_logp, A, mask, M, N, **{**PPO_CLIP, **kw})
+    return tepo.tepo_loss(logp, old, kl_logp, A, mask, M, **{**PPO_CLIP, **kw}, num_tokens=N)
 
 
 def _stats(logp, old, A, mask, M, kl_logp, entropy, **kw):
@@ -151,7 +151,7 @@ def test_token_level_with_empty_mask_equals_dapo_loss(seed):
     lt.backward()
     st = _stats(a, old, A, mask, M, kl_logp, ent, ratio_level="token")
     b = logp0.clone().requires_grad_()
-    ld = dapo.dapo_loss(b, old, A, mask, N, clip_low=0.2, clip_high=0.28)
+    ld = dapo.dapo_loss(b, old, A, mask, clip_low=0.2, clip_high=0.28, num_tokens=N)
     ld.backward()
     sd = dapo.dapo_stats(b, old, A, mask, clip_low=0.2, clip_high=0.28)
     assert lt.item() == pytest.approx(ld.item(), abs=1e-6)
@@ -176,7 +176,7 @@ def test_sequence_level_equals_dapo_when_token_ratios_are_equal_within_rows():
     lt = _loss(a, old, A, mask, M, old, 9.0, ratio_level="sequence")
     lt.backward()
     b = logp0.clone().requires_grad_()
-    ld = dapo.dapo_loss(b, old, A, mask, 9.0)
+    ld = dapo.dapo_loss(b, old, A, mask, num_tokens=9.0)
     ld.backward()
     assert lt.item() == pytest.approx(ld.item(), abs=1e-6)
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
@@ -327,21 +327,23 @@ def test_defaults_are_sequence_level_clip_3e_4_4e_4_and_kl_0_04():
     # rows' sequence ratios (e^0.1, e^0.3) are above 1 + 4e-4 with A > 0, so every token is clipped
     old, diff, mask, A, ent, base, d = _hand_2x3()
     M = _M(A, ent, base, mask)
-    loss = tepo.tepo_loss(old + diff, old, old + diff + d, A, mask, M, 5.0)
+    loss = tepo.tepo_loss(old + diff, old, old + diff + d, A, mask, M, num_tokens=5.0)
     expected = (-3 * 2 * 1.0004 - 2 * 1 * 1.0004 + 0.04 * (2.5 - LN3)) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M, ent)["clip_frac"] == pytest.approx(1.0)
+    assert tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M,
+                           ent)["clip_frac"] == pytest.approx(1.0)
     # a ratio inside [1 - 3e-4, 1 + 4e-4] is not clipped: log s = 3e-4 on both rows
     near = torch.full_like(old, 3e-4)
     assert tepo.tepo_stats(old + near, old, old + diff + d, A, mask, M, ent)["clip_frac"] == 0
     args = tepo.resolve_args(tepo.Args())
-    assert (args.clip_low, args.clip_high, args.ratio_level, args.kl_coef) == (3e-4, 4e-4, "sequence", 0.04)
+    assert (args.clip_low, args.clip_high, args.ratio_level, args.kl_coef) == \
+        (3e-4, 4e-4, "sequence", 0.04)
 
 
 def test_where_the_kl_sits_by_hand():
     from tools import diagnostics  # the studies' diagnostics, through the run's observe hook
 
-    # k3(ref, logp) with logp = 0 and ref = d: e^d - d - 1 per token; the padded token holds a huge d
+    # k3(ref, logp) with logp = 0 and ref = d: e^d - d - 1 per token; the padded one holds a huge d
     d = torch.tensor([[1.0, LN2, -LN2, LN3], [2.0, -1.0, 9.0, 9.0]])
     k = torch.exp(d) - d - 1  # [[e - 2, 1 - ln 2, 1/2 + ln 2 - 1, 2 - ln 3], [e^2 - 3, 1/e, ., .]]
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).float()
@@ -354,11 +356,13 @@ def test_where_the_kl_sits_by_hand():
     # row 0 is A > 0 (4 tokens), row 1 A < 0 (2 tokens); off the mask: (0,1), (0,3), (1,0), (1,1)
     assert st["kl_pos_adv"] == pytest.approx(k[0].mean().item(), abs=1e-6)
     assert st["kl_neg_adv"] == pytest.approx((k[1, 0] + k[1, 1]).item() / 2, abs=1e-6)
-    assert st["kl_off_mask"] == pytest.approx((k[0, 1] + k[0, 3] + k[1, 0] + k[1, 1]).item() / 4, abs=1e-6)
+    assert st["kl_off_mask"] == pytest.approx((k[0, 1] + k[0, 3] + k[1, 0] + k[1, 1]).item() / 4,
+                                              abs=1e-6)
     # positions: row 0 at 1/4, 2/4, 3/4, 1; row 1 at 1/2, 1: first quarter (0,0); last (0,3), (1,1)
     assert st["kl_first_quarter"] == pytest.approx(math.e - 2, abs=1e-6)
     assert st["kl_last_quarter"] == pytest.approx((2 - LN3 + math.exp(-1)) / 2, abs=1e-6)
-    assert st["kl_token_max"] == pytest.approx(math.exp(2) - 3, abs=1e-5)  # not the padding's e^9 - 10
+    # not the padding's e^9 - 10
+    assert st["kl_token_max"] == pytest.approx(math.exp(2) - 3, abs=1e-5)
 
 
 def test_seq_mean_token_mean_aggregation_hand_value_2x3():
@@ -366,8 +370,10 @@ def test_seq_mean_token_mean_aggregation_hand_value_2x3():
     # completion's mean over its own tokens, then the mean over the 2 completions
     old, diff, mask, A, ent, base, d = _hand_2x3()
     M = _M(A, ent, base, mask)
-    loss = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0, kl_coef=0.1, loss_agg="seq-mean-token-mean")
-    row0 = (-6 * math.exp(0.1) + 0.1 * ((1 - LN2) + (LN2 - 0.5))) / 3  # 3 tokens, KL on (0,0), (0,2)
+    loss = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0, kl_coef=0.1,
+                 loss_agg="seq-mean-token-mean")
+    # 3 tokens, KL on (0,0), (0,2)
+    row0 = (-6 * math.exp(0.1) + 0.1 * ((1 - LN2) + (LN2 - 0.5))) / 3
     row1 = (-2.56 + 0.1 * (2 - LN3)) / 2  # 2 valid tokens, KL on (1,0)
     assert loss.item() == pytest.approx((row0 + row1) / 2, abs=1e-6)
     # num_seqs, the whole mini-batch's count, divides: a micro-batch of these 2 out of 4
@@ -396,9 +402,11 @@ def test_token_mean_default_is_the_loss_before_the_flag_bit_for_bit(ratio_level)
     pg = -torch.min(s * a, torch.clamp(s, 1 - 3e-4, 1 + 4e-4) * a)
     before = tepo.token_mean(pg + 0.04 * torch.where(M, tepo.k3_kl(kl_logp, logp), 0.0), mask, N)
     for kw in ({}, {"loss_agg": "token-mean"}, {"loss_agg": "token-mean", "num_seqs": 3}):
-        now = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, N, ratio_level=ratio_level, **kw)
+        now = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, ratio_level=ratio_level, **kw,
+                             num_tokens=N)
         assert torch.equal(now, before)
-    assert tepo.resolve_args(tepo.Args()).loss_agg == "token-mean"  # the default until PLAN-real.md says
+    # the default until PLAN-real.md says
+    assert tepo.resolve_args(tepo.Args()).loss_agg == "token-mean"
 
 
 def test_seq_mean_token_mean_with_token_ratios_is_grpo_exactly():
@@ -408,9 +416,10 @@ def test_seq_mean_token_mean_with_token_ratios_is_grpo_exactly():
     logp0, old, A, mask, _, ref = _random_batch(2)
     M = mask.bool()
     a, b = logp0.clone().requires_grad_(), logp0.clone().requires_grad_()
-    t = tepo.tepo_loss(a, old, ref, A, mask, M, float(mask.sum()), clip_low=0.2, clip_high=0.2,
-                       kl_coef=0.04, ratio_level="token", loss_agg="seq-mean-token-mean")
-    g = grpo.grpo_loss(b, old, ref, A, mask, 0.2, 0.04)
+    t = tepo.tepo_loss(a, old, ref, A, mask, M, num_tokens=float(mask.sum()), clip_low=0.2,
+                       clip_high=0.2, kl_coef=0.04, ratio_level="token",
+                       loss_agg="seq-mean-token-mean")
+    g = grpo.grpo_loss(b, old, ref, A, mask, 0.2, 0.2, 0.04)
     t.backward()
     g.backward()
     assert t.item() == pytest.approx(g.item(), abs=1e-7)
@@ -436,7 +445,8 @@ def test_micro_batch_invariance_of_value_and_gradients(ratio_level, loss_agg):
     N = float(mask.sum())  # counted once for the whole mini-batch
 
     full = logp0.clone().requires_grad_()
-    loss_full = _loss(full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level, loss_agg=loss_agg, num_seqs=B)
+    loss_full = _loss(full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level, loss_agg=loss_agg,
+                      num_seqs=B)
     loss_full.backward()
     assert M.any()  # the KL term is exercised
     for k in (2, 3, B):

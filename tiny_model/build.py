@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
@@ -82,7 +83,7 @@ def build_model(tokenizer) -> Qwen2ForCausalLM:
 
 def noisy_solution(ex: dict, rng: random.Random) -> str:
     """The worked solution, with each of its two results nudged by +-1 or +-2 w.p. NOISE."""
-    a, o1, b, o2, c = ex["problem"][0], ex["problem"][1], ex["problem"][2], ex["problem"][3], ex["problem"][4]
+    a, o1, b, o2, c = (ex["problem"][k] for k in range(5))
     nudge = lambda v: v + rng.choice((-2, -1, 1, 2)) if rng.random() < NOISE else v  # noqa: E731
     s1 = nudge(int(a) + int(b) if o1 == "+" else int(a) - int(b))
     s2 = nudge(s1 + int(c) if o2 == "+" else s1 - int(c))
@@ -162,7 +163,8 @@ def main():
     tokenizer.save_pretrained(OUT)
     reloaded = AutoTokenizer.from_pretrained(OUT)
     probe = tasks.build_prompt(tokenizer, "7-2+9", "tiny") + "7-2=5\n5+9=14\n\\boxed{14}<|im_end|>"
-    assert reloaded(probe)["input_ids"] == tokenizer(probe)["input_ids"], "saved tokenizer reloads differently"
+    assert reloaded(probe)["input_ids"] == tokenizer(probe)["input_ids"], \
+        "saved tokenizer reloads differently"
     print(f"saved to {OUT} after {step} warm-up steps; sampled acc {acc:.3f}, "
           f"greedy acc {sampled_accuracy(model, tokenizer, heldout, eos_ids, 0.0):.3f}")
 

@@ -1,1 +1,1 @@
-"""Tools a reader runs beside the lessons: the benchmark (bench.py) and the multi-seed study (study.py)."""
+"""Tools a reader runs beside the lessons: the benchmark, the studies, the diagnostics, curves."""

@@ -5,7 +5,7 @@
     python tools/bench.py --steps 20 --threads 4   # more timed steps, more torch threads
     python tools/bench.py --device cuda    # the same tiny preset on a GPU
     python tools/bench.py --estimate-only  # the real run's throughput, estimated (no GPU needed)
-    python tools/bench.py --scripts tepo --no-trl --no-curves --profile-steps 3   # where tepo's step goes
+    python tools/bench.py --scripts tepo --no-trl --no-curves --profile-steps 3  # where a step goes
 
 A step here is one step of each script's own train(), on its tiny preset (the bundled
 ~0.8M-parameter model, 16 prompts x 8 completions, 40 new tokens, 2 optimizer steps per batch,
@@ -64,11 +64,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts and common.py live there
+# the repository: the scripts and common.py live there
+ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 import harness  # noqa: E402
+import tasks  # noqa: E402
 from common import UserError, arg  # noqa: E402
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
@@ -99,7 +101,8 @@ class Args:
     curve_group_sizes: str = arg("2,4,8,16", "comma list of G for the curves")
     curve_prompts: str = arg("4,8,16,32", "comma list of prompts per step for the curves")
     curve_steps: int = arg(3, "timed steps per curve point (after one warm-up step)")
-    profile_steps: int = arg(2, "steps of the first script run under torch.profiler to split a step "
+    profile_steps: int = arg(2,
+                             "steps of the first script run under torch.profiler to split a step "
                              "into matrix multiplies, attention, other ops and Python (0 skips)")
     estimate_only: bool = arg(False, "only print the real run's estimated throughput, and exit")
 
@@ -225,8 +228,9 @@ def step_row(metrics: dict) -> dict:
     """
     return {**{p: metrics.get(f"time/{p}", 0.0) for p in PHASES}, "step": metrics["time/step"],
             "tokens_per_s": metrics["tokens_per_s"], "completions": metrics["completions"],
-            "tokens": round(metrics["tokens_per_s"] * metrics["time/step"]),  # tokens_per_s = tokens / step
-            "decode_steps": metrics["completion_len_max"], "optimizer_steps": int(metrics.get("optimizer_steps", 0)),
+            "tokens": round(metrics["tokens_per_s"] * metrics["time/step"]),  # = tokens / step
+            "decode_steps": metrics["completion_len_max"],
+            "optimizer_steps": int(metrics.get("optimizer_steps", 0)),
             "rounds": metrics.get("gen_rounds", 1)}
 
 
@@ -237,9 +241,9 @@ def bench_args(name: str, args: Args, out_dir: str, steps: int, **overrides):
     mod = importlib.import_module(name)
     given = {"prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
              "max_new_tokens": args.max_new_tokens, **overrides}
-    return mod, mod.Args(device=args.device, seed=args.seed, steps=steps, output_dir=out_dir, run_name="bench",
-                         eval_dataset="none", tensorboard=False, save_every=10**9, sample_every=10**9,
-                         **{k: v for k, v in given.items() if v is not None})
+    return mod, mod.Args(device=args.device, seed=args.seed, steps=steps, output_dir=out_dir,
+                         run_name="bench", eval_dataset="none", tensorboard=False, save_every=10**9,
+                         sample_every=10**9, **{k: v for k, v in given.items() if v is not None})
 
 
 def run_script(name: str, args: Args, steps: int, warmup: int, label: str = "", on_step=None,
@@ -446,7 +450,8 @@ def trl_config_kwargs(a, out_dir: str, rollout_batches: int) -> dict:
 
     >>> from types import SimpleNamespace as NS
     >>> a = NS(prompts_per_step=16, group_size=8, num_mini_batches=2, micro_batch_size=32,
-    ...        ppo_epochs=1, max_new_tokens=40, temperature=1.0, top_p=1.0, beta=0.04, eps=0.2,
+    ...        ppo_epochs=1, max_new_tokens=40, temperature=1.0, top_p=1.0, kl_coef=0.04,
+    ...        clip_low=0.2, clip_high=0.2,
     ...        lr=2e-4, warmup_steps=4, weight_decay=0.0, max_grad_norm=1.0, bf16=False,
     ...        gradient_checkpointing=False, device="cpu", seed=1)
     >>> k = trl_config_kwargs(a, "/tmp/x", rollout_batches=3)
@@ -464,7 +469,8 @@ def trl_config_kwargs(a, out_dir: str, rollout_batches: int) -> dict:
         output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=ga,
         steps_per_generation=a.num_mini_batches * ga, num_iterations=a.ppo_epochs,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens,
-        temperature=a.temperature, top_p=a.top_p, top_k=0, beta=a.beta, epsilon=a.eps,
+        temperature=a.temperature, top_p=a.top_p, top_k=0, beta=a.kl_coef,
+        epsilon=a.clip_low, epsilon_high=a.clip_high,
         loss_type="grpo", scale_rewards="group", mask_truncated_completions=False,
         learning_rate=a.lr, warmup_steps=a.warmup_steps, lr_scheduler_type="constant_with_warmup",
         weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, optim="adamw_torch",
@@ -574,7 +580,8 @@ def compare_with_trl(args: Args, steps: int) -> dict:
                 return
             trl_rows.append(timer.take(time.perf_counter() - self.t, state.global_step - self.last))
             self.last = state.global_step
-            print(f"  TRL {len(trl_rows)}/{args.warmup + steps}: {trl_rows[-1]['step']:.2f} s", flush=True)
+            print(f"  TRL {len(trl_rows)}/{args.warmup + steps}: {trl_rows[-1]['step']:.2f} s",
+                  flush=True)
             project_turn.release()  # grpo.py's step, right after TRL's
             trl_turn.acquire()
             self.t = time.perf_counter()
@@ -585,7 +592,7 @@ def compare_with_trl(args: Args, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 on transformers 5's renames
         cfg = GRPOConfig(**trl_config_kwargs(a, tmp, args.warmup + steps))
-        trainer = GRPOTrainer(model=common.resolve_model_name(a.model), reward_funcs=boxed_reward,
+        trainer = GRPOTrainer(model=tasks.resolve_model_name(a.model), reward_funcs=boxed_reward,
                               args=cfg, train_dataset=dataset, processing_class=tokenizer,
                               callbacks=[Interleave()])
         trainer.remove_callback(PrinterCallback)  # its end-of-training dict
@@ -595,7 +602,7 @@ def compare_with_trl(args: Args, steps: int) -> dict:
         checks = {
             "same prompt token ids": trainer.processing_class(text=[probe])["input_ids"][0]
             == tokenizer(probe, add_special_tokens=False)["input_ids"],
-            "reference model in both": (trainer.ref_model is not None) == (a.beta > 0),
+            "reference model in both": (trainer.ref_model is not None) == (a.kl_coef > 0),
             "old log-prob pass in both": cfg.gradient_accumulation_steps
             % (cfg.steps_per_generation * cfg.num_iterations) != 0,
             "same sampling (do_sample, temperature, top_p, top_k, max_new_tokens)":
@@ -683,9 +690,9 @@ def forced_length(mod):
 
 def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
     """One run of the script's train() per point (its tiny preset with one knob changed), one
-    warm-up step, then --curve-steps timed steps. The --max-new-tokens sweep forces every completion to
-    its cap (forced_length); the G and P sweeps keep natural lengths. Returns the CSV's rows and
-    whether the PNG was drawn."""
+    warm-up step, then --curve-steps timed steps. The --max-new-tokens sweep forces every
+    completion to its cap (forced_length); the G and P sweeps keep natural lengths. Returns the
+    CSV's rows and whether the PNG was drawn."""
     name = args.curve_script
     mod, a = bench_args(name, args, "unused", 1)
     base = mod.resolve_args(a)  # the preset's P, G and length cap, or bench's flags
@@ -700,7 +707,8 @@ def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
             label = (f"{name} P={point['prompts_per_step']} G={point['group_size']} "
                      f"T={point['max_new_tokens']}{' (forced length)' if forced else ''}")
             with forced_length(mod) if forced else contextlib.nullcontext():
-                done[key] = summarize(run_script(name, args, args.curve_steps, 1, label, **point)[1])
+                done[key] = summarize(run_script(name, args, args.curve_steps, 1, label,
+                                                 **point)[1])
         m = done[key]
         rows.append({"script": name, "sweep": knob, **point, "forced_length": forced,
                      "completions": m["completions"],
@@ -723,7 +731,8 @@ def plot_curves(path: Path, rows: list[dict]) -> bool:
               "the CSV is written")
         return False
     knobs = [("max_new_tokens", "--max-new-tokens (every completion forced to it)"),
-             ("group_size", "G, completions per prompt"), ("prompts_per_step", "P, prompts per step")]
+             ("group_size", "G, completions per prompt"),
+             ("prompts_per_step", "P, prompts per step")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (knob, label) in zip(axes, knobs):
         pts = sorted((r for r in rows if r["sweep"] == knob), key=lambda r: r[knob])
@@ -761,10 +770,18 @@ QWEN_MATH_1_5B = dict(params=1.54e9, embed=151_936 * 1536, layers=28, kv_heads=2
 QWEN_0_5B = dict(params=0.494e9, layers=24, hidden=896)
 # 80 GB GPUs: memory bandwidth (bytes/s) and dense bf16 FLOP/s, from the data sheets.
 GPUS = {"A100 80GB SXM": (2.04e12, 312e12), "H100 80GB SXM": (3.35e12, 989e12)}
-# Each script's real-run preset (REAL_DEFAULTS): P, G, reference model, critic
-REAL_PRESETS = {"grpo": (32, 8, True, False), "dapo": (16, 16, False, False),
-                "tepo": (32, 8, True, False), "erpo": (32, 8, True, False),
-                "sapo": (256, 1, True, True)}
+
+
+def real_presets() -> dict[str, tuple[int, int, bool, bool]]:
+    """Each script's real-run preset, read from the script: P, G, whether it loads a reference
+    model (its needs_reference), whether it trains a critic (it has load_critic)."""
+    out = {}
+    for name in SCRIPTS:
+        mod = importlib.import_module(name)
+        a = mod.resolve_args(mod.Args(preset="gpu", device="cpu", run_name="estimate"))
+        out[name] = (a.prompts_per_step, a.group_size, mod.needs_reference(a),
+                     hasattr(mod, "load_critic"))
+    return out
 
 
 def real_run_estimate(P: int, G: int, max_new_tokens: int = 3000, gen_batch_size: int = 64,
@@ -823,14 +840,14 @@ def lora_params(rank: int, model: dict = QWEN_MATH_1_5B) -> int:
     >>> lora_params(1)  # Qwen2.5-Math-1.5B: 41,216 per layer and unit of rank
     1154048
     """
-    h, q, kv, f = model["hidden"], model["heads"] * model["head_dim"], model["kv_heads"] * model["head_dim"], \
-        model["intermediate"]
+    h, f = model["hidden"], model["intermediate"]
+    q, kv = model["heads"] * model["head_dim"], model["kv_heads"] * model["head_dim"]
     return rank * model["layers"] * (2 * (h + q) + 2 * (h + kv) + 3 * (h + f))
 
 
-def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None, gen_batch_size: int = 64,
-                    micro_batch_size: int = 4, context: int = 4096, chunk: int = 1024,
-                    model: dict = QWEN_MATH_1_5B) -> dict:
+def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None,
+                    gen_batch_size: int = 64, micro_batch_size: int = 4, context: int = 4096,
+                    chunk: int = 1024, model: dict = QWEN_MATH_1_5B) -> dict:
     """GPU memory of a real run, in bytes, from the model's shapes: an ESTIMATE, not measured.
     Full fine-tuning: fp32 weights, fp32 gradients, AdamW's two fp32 moments, the bf16 copies
     autocast caches of the trainable weights, a frozen fp32 reference when `ref`. LoRA: the base
@@ -842,8 +859,10 @@ def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None, g
     gradients, moments, autocast copies and activations. Gradients are freed after each optimizer
     step, so generation holds no gradients. Returns the training and generation phases' sums.
 
-    >>> toy = dict(params=10, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1, heads=1, intermediate=1)
-    >>> m = memory_estimate(ref=True, gen_batch_size=1, micro_batch_size=1, context=1, chunk=1, model=toy)
+    >>> toy = dict(params=10, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1, heads=1,
+    ...            intermediate=1)
+    >>> m = memory_estimate(ref=True, gen_batch_size=1, micro_batch_size=1, context=1, chunk=1,
+    ...                     model=toy)
     >>> m["weights"], m["trained"], m["reference"], m["autocast"], m["kv_cache"], m["train"]
     (40, 120, 40, 20, 4, 238)
     """
@@ -852,24 +871,26 @@ def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None, g
         n = lora_params(lora_rank, model)
         weights, trained, grads, autocast, reference = 2 * P, 16 * n, 4 * n, 0, 0
     else:
-        weights, trained, grads, autocast, reference = 4 * P, 12 * P, 4 * P, 2 * P, 4 * P if ref else 0
+        weights, trained, grads, autocast = 4 * P, 12 * P, 4 * P, 2 * P
+        reference = 4 * P if ref else 0
     kv = 2 * L * model["kv_heads"] * model["head_dim"] * 2 * context * gen_batch_size
     head = chunk * model["vocab"] * 16
     acts = micro_batch_size * context * L * H * 2
     critic_train = critic_gen = 0
     if critic is not None:
         Pc = critic["params"]
-        critic_train = 18 * Pc + micro_batch_size * context * critic["layers"] * critic["hidden"] * 2
+        activations = micro_batch_size * context * critic["layers"] * critic["hidden"] * 2
+        critic_train = 18 * Pc + activations
         critic_gen = 16 * Pc  # weights and moments stay while the policy generates
-    out = {"weights": weights, "trained": trained, "reference": reference, "autocast": autocast, "kv_cache": kv,
-           "output_chunk": head, "activations": acts, "critic": critic_train}
+    out = {"weights": weights, "trained": trained, "reference": reference, "autocast": autocast,
+           "kv_cache": kv, "output_chunk": head, "activations": acts, "critic": critic_train}
     out["train"] = weights + trained + reference + autocast + head + acts + critic_train
     out["generate"] = weights + trained - grads + reference + autocast + kv + critic_gen
     out["peak"] = max(out["train"], out["generate"])
     return out
 
 
-# script -> loads a reference model in its real preset (ERPO always; DAPO never; SAPO: --kl-coef 0.001)
+# script -> loads a reference model in its real preset (ERPO always; DAPO never; SAPO: kl 0.001)
 USES_REF = {"grpo": True, "dapo": False, "tepo": True, "erpo": True, "sapo": True}
 
 
@@ -877,10 +898,11 @@ def memory_report(lora_rank: int = 64) -> str:
     """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA."""
     def gb(x):
         return f"{x / 1e9:.1f}"
-    lines = ["GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches of 64, "
-             "micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (bench.py, memory_estimate); GB.", "",
-             f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / peak | "
-             f"fits 24 GB with LoRA |", "|---|---|---|---|"]
+    lines = ["GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches "
+             "of 64, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (bench.py, "
+             "memory_estimate); GB.", "",
+             f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / "
+             f"peak | fits 24 GB with LoRA |", "|---|---|---|---|"]
     for name, ref in USES_REF.items():
         critic = QWEN_MATH_1_5B if name == "sapo" else None
         full, lora = memory_estimate(ref, 0, critic), memory_estimate(ref, lora_rank, critic)
@@ -888,8 +910,9 @@ def memory_report(lora_rank: int = 64) -> str:
         if name == "sapo":
             small = memory_estimate(ref, lora_rank, QWEN_0_5B)
             fits = f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])}"
-        lines.append(f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / **{gb(full['peak'])}** | "
-                     f"{gb(lora['train'])} / {gb(lora['generate'])} / **{gb(lora['peak'])}** | {fits} |")
+        lines.append(f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / "
+                     f"**{gb(full['peak'])}** | {gb(lora['train'])} / {gb(lora['generate'])} / "
+                     f"**{gb(lora['peak'])}** | {fits} |")
     return "\n".join(lines)
 
 
@@ -903,7 +926,7 @@ def estimate_report() -> str:
              "| GPU | script | completions | decode step (memory-bound) | generate | train | step "
              "| 500 steps | valid tokens/s | decoded tokens/s |", "|---" * 10 + "|"]
     for gpu, (bandwidth, flops) in GPUS.items():
-        for name, (P, G, ref, critic) in REAL_PRESETS.items():
+        for name, (P, G, ref, critic) in real_presets().items():
             e = real_run_estimate(P, G, ref=ref, critic=critic, bandwidth=bandwidth, flops=flops)
             lines.append(f"| {gpu} | {name} | {e['completions']} | "
                          f"{1e3 * e['decode_step_s']:.0f} ms ({1e3 * e['memory_step_s']:.1f} ms) | "
@@ -911,10 +934,12 @@ def estimate_report() -> str:
                          f"{e['train_s'] / 60:.1f} min | {e['step_s'] / 60:.1f} min | "
                          f"{500 * e['step_s'] / 3600:.0f} h | {e['tokens_per_s']:.0f} | "
                          f"{e['decode_tokens_per_s']:.0f} |")
-    lines += ["", "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
+    lines += ["",
+              "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
               "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
               "step towards the memory-bound time in brackets. A real run logs `time/generate`, "
-              "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers there."]
+              "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers "
+              "there."]
     return "\n".join(lines + ["", memory_report()])
 
 

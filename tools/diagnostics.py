@@ -19,7 +19,7 @@ Per rollout batch ("rollout"):
 Per micro-batch of the update ("update"), averaged over the step's micro-batches as the scripts'
 own statistics are (the first mini-batch of a rollout batch is on-policy: its ratio is 1 and it
 never clips, so with 2 mini-batches the second's clip rates are twice these):
-    clip_frac_pos_adv, clip_frac_neg_adv   share of the tokens with A > 0 (A < 0) whose clip is active
+    clip_frac_pos_adv, clip_frac_neg_adv   share of the tokens with A > 0 (A < 0) clipped
     clip_frac_cut, clip_frac_ended         the same over the tokens of cut-off (ended) completions
     kl_pos_adv, kl_neg_adv      mean KL to the KL target on tokens of completions with A > 0 / A < 0
     kl_off_mask                 (TEPO) mean KL on valid tokens off its KL mask
@@ -41,15 +41,9 @@ sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
 
 
-def clip_bounds(args) -> tuple[float, float]:
-    """(eps_low, eps_high) of the run's ratio clip: clip_low / clip_high, or GRPO's symmetric eps."""
-    if hasattr(args, "clip_low"):
-        return args.clip_low, args.clip_high
-    return args.eps, args.eps
-
-
 def clipped_ratio(run, logp, old_logp, mask) -> torch.Tensor:
-    """[b, T] the ratio the run's loss clips: TEPO's carried ratio (its own function), else per token."""
+    """[b, T] the ratio the run's loss clips: TEPO's carried ratio (its own function), else the
+    token's."""
     if run.algo == "tepo":
         tepo = importlib.import_module("tepo")
         return torch.exp(tepo.carried_log_ratio(logp, old_logp, mask, run.args.ratio_level))
@@ -69,7 +63,8 @@ def rollout_figures(batch: dict, correct: torch.Tensor, advantages: torch.Tensor
     if right.any():
         out["right_cut_off_frac"] = ((cut & right).sum() / right.sum()).item()
     abs_a = torch.where(m, per_token(advantages).abs().float(), 0.0)  # [B, T]: |A| on valid tokens
-    mass = {"token_mean": abs_a.sum(1), "seq_mean": abs_a.sum(1) / m.sum(1).clamp(min=1)}  # [B] each
+    # [B] each
+    mass = {"token_mean": abs_a.sum(1), "seq_mean": abs_a.sum(1) / m.sum(1).clamp(min=1)}
     for name, w in mass.items():
         if w.sum() > 0:
             out[f"grad_mass_cut_{name}"] = (w[cut].sum() / w.sum()).item()
@@ -80,7 +75,7 @@ def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=Non
     batch = context["batch"]
     m, cut = batch["mask"][rows].bool(), batch["truncated"][rows].bool()[:, None]  # [b, T], [b, 1]
     A = per_token(context["advantages"][rows])
-    lo, hi = clip_bounds(run.args)
+    lo, hi = run.args.clip_low, run.args.clip_high  # every script's clip, by one name
     r = clipped_ratio(run, logp, old_logp, batch["mask"][rows])
     clipped = ((r > 1 + hi) & (A > 0)) | ((r < 1 - lo) & (A < 0))  # [b, T]
     out = {}
@@ -91,14 +86,16 @@ def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=Non
     if kl_logp is not None:
         d = kl_logp - logp
         kl = torch.exp(d) - d - 1  # k3, as the scripts' k3_kl
-        position = m.cumsum(1) / m.sum(1, keepdim=True).clamp(min=1)  # [b, T] in (0, 1] on valid tokens
+        # [b, T] in (0, 1] on valid tokens
+        position = m.cumsum(1) / m.sum(1, keepdim=True).clamp(min=1)
 
         def mean_kl(where):  # mean KL over the valid tokens in `where` (0 when there are none)
             where = where & m
             return (torch.where(where, kl, 0.0).sum() / where.sum().clamp(min=1)).item()
 
         out.update(kl_pos_adv=mean_kl(A > 0), kl_neg_adv=mean_kl(A < 0),
-                   kl_first_quarter=mean_kl(position <= 0.25), kl_last_quarter=mean_kl(position > 0.75),
+                   kl_first_quarter=mean_kl(position <= 0.25),
+                   kl_last_quarter=mean_kl(position > 0.75),
                    kl_token_max=torch.where(m, kl, 0.0).max().item() if m.any() else 0.0)
         if M is not None:
             out["kl_off_mask"] = mean_kl(~M)

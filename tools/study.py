@@ -82,8 +82,8 @@ Default configs (erpo and sapo only where their scripts exist):
     tepo-mask-ref              ablation: observed test against the reference model's entropy
 Not in the default list, only by --configs (PLAN.md's candidates (a) and (b), their flags
 spelled out so that they run the same whatever tepo.py's default is):
-    tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28, the first reading
-    tepo-seq-gspo              (b): the sequence ratio clipped at GSPO's 3e-4 / 4e-4, the default now
+    tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28 (first reading)
+    tepo-seq-gspo              (b): the sequence ratio clipped at GSPO's 3e-4 / 4e-4 (the default)
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts and common.py live there
+# the repository: the scripts and common.py live there
+ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
@@ -148,16 +149,18 @@ CONFIGS = {
     "tepo-observed": ("tepo", ["--entropy-test", "observed"]),
     "erpo": ("erpo", []),
     "sapo": ("sapo", []),
-    "tepo-token-ratio": ("tepo", ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"]),  # (c)
+    "tepo-token-ratio": ("tepo", ["--ratio-level", "token", "--clip-low", "0.2",
+                                  "--clip-high", "0.28"]),  # (c)
     "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
     "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
     "tepo-seq-gspo": ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"]),  # PLAN.md (b)
-    "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: GRPO's aggregation
-    "grpo-no-kl": ("grpo", ["--beta", "0"]),  # PLAN-real.md: GRPO without its KL term
+    "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: GRPO's
+    "grpo-no-kl": ("grpo", ["--kl-coef", "0"]),  # PLAN-real.md: GRPO without its KL term
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
-DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"  # every run goes through it: the studies' diagnostics
+# every run goes through it: the studies' diagnostics
+DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
 # PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence
 CANDIDATES = ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
@@ -290,8 +293,9 @@ def make_jobs(args: Args, configs: list[str], seeds: list[int], out: Path,
         if action == "resume":
             with open(resumes, "a") as f:
                 f.write(f"{checkpoint_step(run_dir)}\n")
-            jobs.append(Job(name, [sys.executable, str(DIAGNOSTICS), script, "--resume", str(run_dir),
-                                   *steps], log, append=True))
+            jobs.append(Job(name,
+                            [sys.executable, str(DIAGNOSTICS), script, "--resume", str(run_dir),
+                             *steps], log, append=True))
             continue
         if action == "restart":
             tqdm.write(f"{name}: stopped without a checkpoint; moved to "
@@ -480,7 +484,8 @@ def threshold_of(runs: dict, threshold_frac: float) -> float | None:
     return threshold_frac * mean_std(finals)[0] if finals else None
 
 
-def aggregate(runs: dict, configs: list[str], threshold: float | None, eval_every: int = 10) -> dict:
+def aggregate(runs: dict, configs: list[str], threshold: float | None,
+              eval_every: int = 10) -> dict:
     """Per config: seeds, held-out sampled accuracy before training ("start") and at the end,
     final greedy accuracy, and per-seed steps / seconds to the threshold (None: never reached,
     or no threshold), and PLAN.md's censored steps (never reached: last step + eval_every)."""
@@ -501,12 +506,12 @@ def aggregate(runs: dict, configs: list[str], threshold: float | None, eval_ever
             "greedy": [f["eval/greedy_acc"] for f in finals],
             "reach_steps": [r[0] if r else None for r in reach],
             "reach_seconds": [r[1] if r else None for r in reach],
-            "censored_steps": [censored_steps(runs[config, s], threshold, runs[config, s][-1]["step"],
-                                              eval_every) if threshold is not None else None
-                               for s in seeds],
+            "censored_steps": [censored_steps(runs[config, s], threshold,
+                                              runs[config, s][-1]["step"], eval_every)
+                               if threshold is not None else None for s in seeds],
             "mask_frac": [run_mean(runs[config, s], "mask_frac") for s in seeds],
-            "seconds_per_step": [runs[config, s][-1]["seconds"] / max(1, runs[config, s][-1]["step"])
-                                 for s in seeds],
+            "seconds_per_step": [runs[config, s][-1]["seconds"]
+                                 / max(1, runs[config, s][-1]["step"]) for s in seeds],
         }
     return stats
 
@@ -514,7 +519,8 @@ def aggregate(runs: dict, configs: list[str], threshold: float | None, eval_ever
 def run_mean(rows: list[dict], key: str) -> float | None:
     """Mean of `key` over a run's training steps that logged it (None if none did).
 
-    >>> run_mean([{"step": 0}, {"step": 1, "mask_frac": 0.1}, {"step": 2, "mask_frac": 0.3}], "mask_frac")
+    >>> rows = [{"step": 0}, {"step": 1, "mask_frac": 0.1}, {"step": 2, "mask_frac": 0.3}]
+    >>> run_mean(rows, "mask_frac")
     0.2
     """
     return mean_std([r[key] for r in rows if r["step"] > 0 and r.get(key) is not None])[0]
@@ -628,7 +634,8 @@ def censored_steps(rows: list[dict], threshold: float, max_steps: int, eval_ever
     its last one (PLAN.md: 160 + 10 = 170): a lower bound on its true steps, so it favours that run.
 
     >>> rows = [{"step": 0, "seconds": 0.0, "eval/sampled_acc": 0.2},
-    ...         {"step": 10, "seconds": 30.0, "eval/sampled_acc": 0.5}, {"step": 11, "seconds": 33.0}]
+    ...         {"step": 10, "seconds": 30.0, "eval/sampled_acc": 0.5},
+    ...         {"step": 11, "seconds": 33.0}]
     >>> censored_steps(rows, 0.5, 160, 10), censored_steps(rows, 0.6, 160, 10)
     (10, 170)
     """
@@ -646,7 +653,7 @@ def percentile_interval(means: list[float], level: float = 0.95) -> tuple[float,
     (250, 9749)
     >>> percentile_interval(list(range(40))), percentile_interval(list(range(20)))
     ((1, 38), (0, 19))
-    >>> percentile_interval(list(range(100)), level=0.9)  # (1 - 0.9) / 2 x 100 is 4.99999... in floats
+    >>> percentile_interval(list(range(100)), level=0.9)  # (1 - 0.9) / 2 x 100: 4.99999...
     (5, 94)
     """
     m = sorted(means)
@@ -749,7 +756,8 @@ def candidate_scores(stats: dict) -> dict[str, float | None]:
     undefined or a baseline is missing.
 
     >>> st = lambda steps: {"seeds": [1, 2], "censored_steps": steps}
-    >>> candidate_scores({"grpo": st([100, 200]), "dapo": st([200, 100]), "tepo-seq-ppo": st([20, 100])})
+    >>> candidate_scores({"grpo": st([100, 200]), "dapo": st([200, 100]),
+    ...                   "tepo-seq-ppo": st([20, 100])})
     {'tepo-seq-ppo': 0.55}
     """
     scores = {}
@@ -794,7 +802,8 @@ def pick_default(stats: dict) -> tuple[str | None, str]:
     why += (f" contains 0, so the final sampled accuracy decides: {best} {a:.3f}, "
             f"{second} {b:.3f}")
     if abs(a - b) <= ACC_TIE + 1e-9:  # + 1e-9: 0.61 - 0.60 is 0.0100000000000000009 in floats
-        return CANDIDATES[0], why + f", within {ACC_TIE}: (a) `{CANDIDATES[0]}` stays (no change without evidence)"
+        return CANDIDATES[0], why + (f", within {ACC_TIE}: (a) `{CANDIDATES[0]}` stays (no change "
+                                     "without evidence)")
     winner = best if a > b else second
     return winner, why + f": `{winner}`, the higher"
 
@@ -807,7 +816,8 @@ def _fmt_ci(values: list[float] | None, fmt: str) -> str:
     return f"{_mean(values):{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
-def paired_section(stats: dict, threshold: float | None, eval_every: int) -> tuple[list[str], str | None]:
+def paired_section(stats: dict, threshold: float | None,
+                   eval_every: int) -> tuple[list[str], str | None]:
     """(summary.md's lines for PLAN.md's analysis, PLAN.md's verdict on the claim or None): no
     lines unless the study has both baselines, a candidate and a threshold; a verdict only when
     one TEPO config ran."""
@@ -815,17 +825,18 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> tup
             or not any(c in stats for c in CANDIDATES)):
         return [], None
     lines = ["", "## Paired by seed (docs/study/PLAN.md)", "",
-             "The second study's statistics, fixed in docs/study/PLAN.md before its runs (the verdict "
-             "above is the first study's rule). Steps to the threshold "
+             "The second study's statistics, fixed in docs/study/PLAN.md before its runs (the "
+             "verdict above is the first study's rule). Steps to the threshold "
              f"{threshold:.3f}: the first evaluation at or above it; a run that never reaches it "
-             f"counts as its last step + {eval_every} ({160 + eval_every} for 160 steps), a lower bound that "
-             "favours it. For a config X against a baseline Y, over the seeds both ran: the "
-             "difference d_s = X_s - Y_s (steps; final sampled accuracy) and the ratio "
-             "r_s = steps X_s / steps Y_s; mean [95% percentile bootstrap interval: 10,000 resamples "
-             "of the seeds with replacement, random.Random(0); the sorted resampled means at indices "
-             "250 and 9749].", "",
-             "| config | vs | seeds paired | never reached (config / baseline) | steps: mean difference "
-             "[95% CI] | steps: mean ratio [95% CI] | final sampled acc: mean difference [95% CI] |",
+             f"counts as its last step + {eval_every} ({160 + eval_every} for 160 steps), a lower "
+             "bound that favours it. For a config X against a baseline Y, over the seeds both "
+             "ran: the difference d_s = X_s - Y_s (steps; final sampled accuracy) and the ratio "
+             "r_s = steps X_s / steps Y_s; mean [95% percentile bootstrap interval: 10,000 "
+             "resamples of the seeds with replacement, random.Random(0); the sorted resampled "
+             "means at indices 250 and 9749].", "",
+             "| config | vs | seeds paired | never reached (config / baseline) | steps: mean "
+             "difference [95% CI] | steps: mean ratio [95% CI] | final sampled acc: mean "
+             "difference [95% CI] |",
              "|" + "---|" * 7]
     for c in (c for c in stats if c not in BASELINES):
         for b in BASELINES:
@@ -833,11 +844,14 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> tup
             never = paired(by_seed(stats[c], "reach_steps"), by_seed(stats[b], "reach_steps"))
             acc = paired(by_seed(stats[c], "sampled"), by_seed(stats[b], "sampled"))
             lines.append(f"| {c} | {b} | {len(steps)} | {sum(x is None for x, _ in never)} / "
-                         f"{sum(y is None for _, y in never)} | {_fmt_ci(differences(steps), '+.1f')} | "
-                         f"{_fmt_ci(ratios(steps), '.3f')} | {_fmt_ci(differences(acc), '+.3f')} |")
+                         f"{sum(y is None for _, y in never)} | "
+                         f"{_fmt_ci(differences(steps), '+.1f')} | {_fmt_ci(ratios(steps), '.3f')} "
+                         f"| {_fmt_ci(differences(acc), '+.3f')} |")
     seeds = sorted({s for st in stats.values() for s in st["seeds"]})
-    lines += ["", "Per seed: steps to the threshold (* never reached, counted as above) / final "
-              "sampled accuracy:", "", "| seed | " + " | ".join(stats) + " |", "|" + "---|" * (len(stats) + 1)]
+    lines += ["",
+              "Per seed: steps to the threshold (* never reached, counted as above) / final "
+              "sampled accuracy:", "", "| seed | " + " | ".join(stats) + " |",
+              "|" + "---|" * (len(stats) + 1)]
     for seed in seeds:
         cells = []
         for st in stats.values():
@@ -856,7 +870,8 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> tup
     if len(tepos) == 1:
         c, each, parts = tepos[0], [], []
         for b in BASELINES:
-            r = ratios(paired(by_seed(stats[c], "censored_steps"), by_seed(stats[b], "censored_steps")))
+            r = ratios(paired(by_seed(stats[c], "censored_steps"),
+                              by_seed(stats[b], "censored_steps")))
             if not r:
                 parts.append(f"against {b.upper()} no verdict (no ratio: a {b} run was at the "
                              f"threshold at step 0)")
@@ -871,16 +886,18 @@ def paired_section(stats: dict, threshold: float | None, eval_every: int) -> tup
                   "interval [lo, hi] of the mean paired ratio of steps: confirmed if hi < 1 and "
                   "lo <= 0.5, refuted if lo > 0.5, inconclusive otherwise; the claim is confirmed "
                   "if confirmed against both GRPO and DAPO, refuted if refuted against either. A "
-                  "verdict about this reading on this task and this model, not the paper's setting."]
+                  "verdict about this reading on this task and this model, not the paper's "
+                  "setting."]
     return lines, claim
 
 
 # =====================================================================================
 # Outputs: CSVs, summary.md, curves.png
 # =====================================================================================
-STEP_COLUMNS = ("reward", "accuracy", "entropy", "mask_frac", "completion_len", "truncated_frac", "clip_frac", "kl",
-                "masked_kl", "kl_pos_adv", "kl_neg_adv", "kl_off_mask", "kl_first_quarter", "kl_last_quarter",
-                "kl_token_max")  # the KL columns: where the KL sits (TEPO), for PLAN.md's diagnosis
+# the KL columns: where the KL sits (TEPO), for PLAN.md's diagnosis
+STEP_COLUMNS = ("reward", "accuracy", "entropy", "mask_frac", "completion_len", "truncated_frac",
+                "clip_frac", "kl", "masked_kl", "kl_pos_adv", "kl_neg_adv", "kl_off_mask",
+                "kl_first_quarter", "kl_last_quarter", "kl_token_max")
 
 
 def _cell(v) -> str:
@@ -924,7 +941,7 @@ def _fmt_ratio(r: float | None) -> str:
 
 def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
                   unfinished: list[str], configs: list[str]) -> tuple[str | None, str | None]:
-    """Write summary.md; (the first study's verdict, PLAN.md's verdict), each None if it has none."""
+    """Write summary.md; (the first study's verdict, PLAN.md's verdict), each None if none."""
     lines = ["# Study: GRPO, DAPO, TEPO and its variants on the bundled tiny task", "",
              f"Seeds {args.seeds}; held-out evaluation every {args.eval_every} steps on "
              f"{args.eval_n} problems; every other setting is each script's default"
@@ -938,9 +955,9 @@ def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
                   f"= --threshold-frac {args.threshold_frac} x GRPO's final mean sampled accuracy "
                   f"(to fix it for other seeds, as PLAN.md does: `--threshold {threshold!r}`)")
         lines += [f"**Threshold**: {threshold:.3f} held-out sampled accuracy {source}. Steps and "
-                  f"seconds to the threshold are those of the first evaluation at or above it; their "
-                  f"mean is over the runs that reached it (count shown); ratios divide those means by "
-                  f"GRPO's and DAPO's.", ""]
+                  f"seconds to the threshold are those of the first evaluation at or above it; "
+                  f"their mean is over the runs that reached it (count shown); ratios divide those "
+                  f"means by GRPO's and DAPO's.", ""]
     else:
         lines += ["**No threshold**: there are no finished `grpo` runs.", ""]
     lines += ["| config | runs | steps | final sampled acc | final greedy acc | steps to threshold "
@@ -958,13 +975,15 @@ def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
         per = ", ".join(f"s{seed} {v if v is not None else '-'}"
                         for seed, v in zip(s["seeds"], s["reach_steps"]))
         lines.append(f"- {c}: {per}")
-    lines += ["", "Per training step, each run's mean over its steps, then mean ± std over seeds: "
-              "`mask_frac`, the fraction of valid tokens in TEPO's KL mask (- where a script has no "
-              "mask), and wall-clock seconds per step, held-out evaluations included:", "",
+    lines += ["",
+              "Per training step, each run's mean over its steps, then mean ± std over seeds: "
+              "`mask_frac`, the fraction of valid tokens in TEPO's KL mask (- where a script has "
+              "no mask), and wall-clock seconds per step, held-out evaluations included:", "",
               "| config | mask_frac | seconds per step |", "|---|---|---|"]
     for c, s in stats.items():
         masks = [m for m in s["mask_frac"] if m is not None]
-        lines.append(f"| {c} | {_fmt_ms(masks, 4) if masks else '-'} | {_fmt_ms(s['seconds_per_step'], 2)} |")
+        lines.append(f"| {c} | {_fmt_ms(masks, 4) if masks else '-'} | "
+                     f"{_fmt_ms(s['seconds_per_step'], 2)} |")
     if missing := [c for c in configs if c not in stats]:
         lines += ["", f"No finished runs: {', '.join(missing)}."]
     if unfinished:
@@ -1026,15 +1045,19 @@ def plot_curves(out: Path, runs: dict, configs: list[str], threshold: float | No
               "results.csv and summary.md are written")
         return False
     tepos = [c for c in configs if CONFIGS.get(c, (c,))[0] == "tepo"]
-    groups = [("baselines and other scripts", [c for c in configs if c not in tepos]), ("TEPO configs", tepos)]
-    panels = [("eval/sampled_acc", "step", g) for g in groups] + [("entropy", "step", ("", configs))]
-    panels += [("eval/sampled_acc", "seconds", g) for g in groups] + [("mask_frac", "step", ("", tepos))]
+    groups = [("baselines and other scripts", [c for c in configs if c not in tepos]),
+              ("TEPO configs", tepos)]
+    panels = [("eval/sampled_acc", "step", g) for g in groups]
+    panels += [("entropy", "step", ("", configs))]
+    panels += [("eval/sampled_acc", "seconds", g) for g in groups]
+    panels += [("mask_frac", "step", ("", tepos))]
     titles = {"eval/sampled_acc": "held-out sampled acc", "entropy": "entropy (sampling policy)",
               "mask_frac": "TEPO KL-mask fraction"}
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, x, (group, members)) in zip(axes.flat, panels):
-        if group == "TEPO configs" and "grpo" in configs and (c := curve(runs, "grpo", key, x)) is not None:
+        c = curve(runs, "grpo", key, x) if group == "TEPO configs" and "grpo" in configs else None
+        if c is not None:
             ax.plot(c[0], c[1], color="0.6", lw=1, ls="--", label="grpo (reference)")
         for config in members:
             c = curve(runs, config, key, x)
@@ -1074,9 +1097,11 @@ def plot_intervals(out: Path, stats: dict) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 1.8 + 0.55 * len(others)))
-    for ax, (key, pair, title, refs) in zip(axes, [
-            ("censored_steps", ratios, "steps to the threshold: ratio to the baseline", (1.0, 0.5)),
-            ("sampled", differences, "final sampled accuracy: difference to the baseline", (0.0,))]):
+    measures = [("censored_steps", ratios, "steps to the threshold: ratio to the baseline",
+                 (1.0, 0.5)),
+                ("sampled", differences, "final sampled accuracy: difference to the baseline",
+                 (0.0,))]
+    for ax, (key, pair, title, refs) in zip(axes, measures):
         for j, b in enumerate(BASELINES):
             ys, xs, los, his = [], [], [], []
             for i, c in enumerate(others):
@@ -1112,7 +1137,8 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
     """kl_diagnosis.png: for each TEPO config that logged where its KL sits (tepo.py's kl_*
     metrics), one row: the KL split by the advantage's sign, by the mask, by position, and the
     share of completions that stop ending; mean over seeds, min-max band, against the step."""
-    tepos = [c for c in configs if any(c == k and "kl_pos_adv" in rows[-1] for (k, _), rows in runs.items())]
+    tepos = [c for c in configs
+             if any(c == k and "kl_pos_adv" in rows[-1] for (k, _), rows in runs.items())]
     if not tepos:
         return False
     try:
@@ -1122,8 +1148,8 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(len(tepos), len(KL_PANELS), figsize=(4.2 * len(KL_PANELS), 2.9 * len(tepos)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(tepos), len(KL_PANELS),
+                             figsize=(4.2 * len(KL_PANELS), 2.9 * len(tepos)), squeeze=False)
     for row, config in zip(axes, tepos):
         for ax, (keys, title) in zip(row, KL_PANELS):
             for key, ls in zip(keys, ("-", "--")):
@@ -1136,7 +1162,8 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
             ax.grid(alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7)
-    fig.suptitle("where TEPO's KL to the reference sits (mean over seeds, band = min to max)", fontsize=10)
+    fig.suptitle("where TEPO's KL to the reference sits (mean over seeds, band = min to max)",
+                 fontsize=10)
     fig.tight_layout()
     save_small(fig, out / "kl_diagnosis.png", dpi=80)
     plt.close(fig)
@@ -1167,17 +1194,21 @@ def study(args: Args) -> int:
     if not (out / "runs").is_dir():
         raise UserError(f"no runs in {out}: run the study first (without --no-run)")
     runs, unfinished = load_runs(out, configs, seeds)
-    threshold = args.threshold if args.threshold is not None else threshold_of(runs, args.threshold_frac)
+    threshold = args.threshold
+    if threshold is None:
+        threshold = threshold_of(runs, args.threshold_frac)
     stats = aggregate(runs, configs, threshold, args.eval_every)
     write_csvs(out, runs)
     v, claim = write_summary(out, args, stats, threshold, unfinished, configs)
     plotted = plot_curves(out, runs, configs, threshold)
     diagnosed = plot_kl_diagnosis(out, runs, configs)
     drawn = plot_intervals(out, stats)
-    print(f"wrote {out / 'summary.md'}, results.csv, steps.csv" + (", curves.png" if plotted else "")
-          + (", kl_diagnosis.png" if diagnosed else "") + (", intervals.png" if drawn else ""))
+    print(f"wrote {out / 'summary.md'}, results.csv, steps.csv"
+          + (", curves.png" if plotted else "") + (", kl_diagnosis.png" if diagnosed else "")
+          + (", intervals.png" if drawn else ""))
     # the second study's verdict when it has one (the first study's rule judges `tepo` only)
-    print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): {claim or v or 'no verdict'}")
+    print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): "
+          f"{claim or v or 'no verdict'}")
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})",
               file=sys.stderr)
