@@ -84,3 +84,31 @@ def test_the_tool_on_a_study_folder(tmp_path, capsys):
 
 def test_missing_recorded_runs_is_one_line(tmp_path, one_line_error):
     assert "recorded runs are missing" in one_line_error(sr.main, ["--docs", str(tmp_path)])
+
+
+def test_landed_runs_outlive_their_run_folder(tmp_path):
+    """A session's run folder is gone in the next session: the runs it landed in results.csv and
+    steps.csv stay, a rerun finished in --out replaces its landed copy, and a recorded row keeps
+    its own source."""
+    docs, first, second = tmp_path / "docs", tmp_path / "first", tmp_path / "second"
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        + "".join(f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
+                  for s in (1, 2, 3) for k in (0, 15, 30, 45, 60))
+        + "tepo-seq-mean,2,0,0.1,,,,console\ntepo-seq-mean,2,60,0.1,,,,console\n")
+    _run(first, "tepo-seq-mean-s1", (0.1, 0.2, 0.3, 0.3, 0.4), cut=0.2)
+    _run(first, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.2))
+    args = ["--docs", str(docs), "--tiny", str(tmp_path / "none")]
+    assert sr.main(["--out", str(first), *args]) == 0
+    landed = {f: (docs / f).read_text() for f in ("results.csv", "steps.csv", "summary.md")}
+    assert sr.main(["--out", str(tmp_path / "empty"), *args]) == 0  # the next session
+    assert {f: (docs / f).read_text() for f in landed} == landed
+    assert "tepo-seq-mean,2,60,0.1,,,,console" in landed["results.csv"]
+    _run(second, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.3), cut=0.7)  # rerun: it replaces
+    assert sr.main(["--out", str(second), *args]) == 0
+    rows = (docs / "results.csv").read_text().splitlines()
+    assert "dapo,1,60,0.3,0.05,0.7,0.25,run" in rows and "dapo,1,60,0.2,0.05,0.5,0.25,run" \
+        not in rows
+    assert "tepo-seq-mean,1,60,0.4,0.05,0.2,0.25,run" in rows  # landed, kept
+    assert (docs / "steps.csv").read_text().count("\n") == 1 + 2 * 60

@@ -6,8 +6,10 @@ This tool applies the plan's rules, as numbers, to the runs; tools/study.py runs
         --runs tepo-seq-mean:1,tepo-seq-mean:2,...      # the plan's order
     python tools/study_real.py                          # -> docs/study/real/
 
-It reads the finished runs in --out (runs/<config>-s<seed>/metrics.jsonl) and the earlier runs
-the plan does not rerun (docs/study/real/recorded.csv), and writes to --docs: results.csv (one row
+It reads the finished runs in --out (runs/<config>-s<seed>/metrics.jsonl), the runs already
+landed in --docs (results.csv, steps.csv: a session's run folder does not outlive it, so each
+finished run is committed, and a later session's call keeps it) and the earlier runs the plan
+does not rerun (docs/study/real/recorded.csv), and writes to --docs: results.csv (one row
 per run and held-out evaluation), steps.csv (one row per training step, with the diagnostics of
 tools/diagnostics.py), summary.md (per-seed tables, and the plan's verdict, attribution and
 adoption, each with the rule that produced it) and curves.png. Unfinished runs are left out and
@@ -60,16 +62,29 @@ def _f(x: str) -> float | None:
     return float(x) if x not in ("", None) else None
 
 
-def read_recorded(path: Path) -> dict:
-    """{(config, seed): {step: row}} from recorded.csv (the runs the plan does not rerun)."""
+def read_results(path: Path, sources=None) -> dict:
+    """{(config, seed): {step: row}} from recorded.csv or results.csv (the rows whose source is
+    in `sources`, all if None)."""
     runs = {}
     with open(path) as f:
         for r in csv.DictReader(f):
+            if sources is not None and r["source"] not in sources:
+                continue
             row = {"greedy": _f(r["greedy_acc"]), "sampled": _f(r["sampled_acc"]),
                    "cut_off_share": _f(r["cut_off_share"]),
-                   "greedy_cut_off_share": _f(r["greedy_cut_off_share"]), "source": "recorded"}
+                   "greedy_cut_off_share": _f(r["greedy_cut_off_share"]), "source": r["source"]}
             runs.setdefault((r["config"], int(r["seed"])), {})[int(r["step"])] = row
     return runs
+
+
+def read_steps(path: Path) -> dict:
+    """{(config, seed): [training rows]} from a steps.csv that write_csvs wrote."""
+    steps = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            row = {"step": int(r["step"]), **{k: _f(r[k]) for k in STEP_COLUMNS}}
+            steps.setdefault((r["config"], int(r["seed"])), []).append(row)
+    return steps
 
 
 def cut_off_share(rows: list[dict], steps) -> float | None:
@@ -183,12 +198,13 @@ def attribution(verdicts: dict, less_cut_off: bool | None, no_kl: str | None) ->
     return f"neither alone; grpo-no-kl {no_kl}: not the KL either, none of the three alone"
 
 
-def fewer_cut_off(steps: dict, evals: dict, config: str = "tepo-seq-mean") -> bool | None:
-    """Its cut-off share over steps 51-60 is below tepo's in at least 2 of 3 seeds."""
+def fewer_cut_off(evals: dict, config: str = "tepo-seq-mean") -> bool | None:
+    """Its cut-off share over steps 51-60 (the step-60 row's) is below tepo's in at least 2 of
+    3 seeds."""
     below = []
     for s in SEEDS:
-        mine = cut_off_share(steps[config, s], LAST_STEPS) if (config, s) in steps else None
-        theirs = evals.get(("tepo", s), {}).get(60, {}).get("cut_off_share")
+        mine, theirs = (evals.get((c, s), {}).get(60, {}).get("cut_off_share")
+                        for c in (config, "tepo"))
         if mine is None or theirs is None:
             return None
         below.append(mine < theirs)
@@ -295,7 +311,7 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
         lines.append(f"| {config} | {', '.join(f'{v:+.3f}' for v in g.values())} | "
                      f"{statistics.mean(g.values()):+.3f} | {verdicts[config] or 'pending'} | "
                      f"{'-' if st is None else 'yes' if st else 'no'} |")
-    less = fewer_cut_off(steps, evals)
+    less = fewer_cut_off(evals)
     lines += ["", f"**Attribution**: {attribution(verdicts, less, verdicts.get('grpo-no-kl'))}.",
               f"(`tepo-seq-mean`'s cut-off share over steps 51-60 below `tepo`'s in at least 2 "
               f"of 3 seeds: {'pending' if less is None else 'yes' if less else 'no'}.)", "",
@@ -362,9 +378,15 @@ def main(argv=None) -> int:
         recorded = docs / "recorded.csv"
         if not recorded.is_file():
             raise UserError(f"no {recorded}: the plan's recorded runs are missing")
-        evals = read_recorded(recorded)
-        run_evals, steps, unfinished = read_runs(out)
-        evals.update(run_evals)  # a run of the plan's replaces nothing recorded (different names)
+        evals = read_results(recorded)
+        steps = {}
+        if (docs / "results.csv").is_file():  # the runs that landed before (not the recorded)
+            evals.update(read_results(docs / "results.csv", sources=("run",)))
+        if (docs / "steps.csv").is_file():
+            steps.update(read_steps(docs / "steps.csv"))
+        run_evals, run_steps, unfinished = read_runs(out)
+        evals.update(run_evals)  # a run finished here replaces its landed copy
+        steps.update(run_steps)
         write_csvs(docs, evals, steps)
         text = summary(evals, steps, unfinished, tiny_finals(Path(a.tiny)))
         (docs / "summary.md").write_text(text)
