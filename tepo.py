@@ -19,12 +19,14 @@ constrains only tokens with a positive advantage and decreasing entropy. As form
   GSPO's clip range for a length-normalised ratio (arXiv 2507.18071, Sec. 5.1), chosen by a
   pre-registered study; TEPO's own range is unknown to us.
 - Aggregation token-mean: sum_it l_it m_it / sum_it m_it over the mini-batch (--loss-agg
-  seq-mean-token-mean, GRPO's, is under study on a real model: docs/study/PLAN-real.md).
+  seq-mean-token-mean is GRPO's: tried on a real model, not adopted, docs/study/README.md).
 - KL mask M_it = [A_i > 0] [entropy falls] m_it. "Falls", --entropy-test predicted (our reading
   of Lemma 3.2): a step on A log p_k changes the entropy by about -A c_it, with
       c_it = p_k (log p_k + H) - sum_j p_j^2 (log p_j + H)
   from the sampling policy, so for A > 0 it falls where c_it > 0; observed: it fell since sampling.
 - kl_coef = 0.04, GRPO's beta (our reading). The flags are the uncertain parts, and only those.
+Known: on SmolLM2-135M-Instruct (cpu preset) this default does not learn in 60 steps, 3 seeds of
+3, while grpo.py does; GRPO's aggregation or a 0.2 / 0.28 clip alone does not fix it (docs/study).
 The real-run preset follows the paper where one GPU allows: DAPO-Math-17k, G = 8, 8 updates per
 rollout batch (not its 64 prompts a batch, 8192 tokens, or 7B / 14B models). Below the banner
 "The skeleton" the file is grpo.py's, line for line; lines marked `# TEPO:` differ from grpo.py.
@@ -62,7 +64,7 @@ class Args(common.RunArgs):
     ratio_level: str = arg("sequence", "sequence: the geometric-mean ratio carried to every token "
                            "(our reading); token: per-token ratios", choices=["sequence", "token"])
     loss_agg: str = arg("token-mean", "token-mean over the mini-batch's tokens (our reading of "
-                        "'token-level aggregation'), or GRPO's seq-mean-token-mean (under study)",
+                        "'token-level aggregation'), or GRPO's seq-mean-token-mean (not adopted)",
                         choices=["token-mean", "seq-mean-token-mean"])
     entropy_test: str = arg("predicted", "the mask's 'entropy decreasing': predicted from the sign "
                             "of c (our reading of Lemma 3.2) or observed since sampling",

@@ -143,7 +143,7 @@ class TEPOConfig(GRPOConfig):
         "help": "coefficient of the masked KL term (our reading: GRPO's beta)"})
     loss_agg: str = field(default="token-mean",
                           metadata={"help": "token-mean over the optimizer step's tokens (our "
-                                    "reading), or GRPO's seq-mean-token-mean (under study)",
+                                    "reading), or GRPO's seq-mean-token-mean (not adopted)",
                                     "choices": ["token-mean", "seq-mean-token-mean"]})
 
     def __post_init__(self):
