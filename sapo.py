@@ -468,6 +468,15 @@ def load_critic(name: str, device: torch.device, args, tokenizer):
     return critic.to(device)
 
 
+def critic_optimizer_for(critic, args):
+    """The critic's own AdamW and schedule, as the policy's but at --critic-lr:
+    (its trainable parameters, optimizer, scheduler)."""
+    params = [p for p in critic.parameters() if p.requires_grad]
+    critic_args = dataclasses.replace(args, lr=args.critic_lr)
+    optimizer, scheduler = common.make_optimizer(params, critic_args)
+    return params, optimizer, scheduler
+
+
 def token_values(critic, batch, rows, args):
     """The critic's value V(x, y_<t) of each completion token t, [b, T], 0 on padding: the value
     head at the input position just before token t (the last prompt token for t = 0), the
@@ -516,6 +525,20 @@ def segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args)
     return dict(ends=ends, seg_id=seg_id, seg_mask=seg_mask, token_values=tok_values,
                 old_values=old_values, returns=returns, raw_advantages=raw,
                 advantages=whiten_and_clamp(raw, mask, args.adv_clip))
+
+
+def value_backward(critic, batch, rows, seg, num_segments, args):
+    """The critic's update on micro-batch `rows`: V(s_m) with grad, the clipped value loss
+    (Eq. 10) over the mini-batch's num_segments segments, backpropagated (gradients add up over
+    micro-batches); returns the loss's value and value_stats."""
+    mask, seg_id, seg_mask = batch["mask"][rows], seg["seg_id"][rows], seg["seg_mask"][rows]
+    old_values, returns = seg["old_values"][rows], seg["returns"][rows]  # [b, S] each
+    v_tokens = token_values(critic, batch, rows, args)  # [b, T], with grad
+    values = segment_state_values(v_tokens, seg_id, seg_mask, mask, args.value_at)  # [b, S]
+    value_loss = sapo_value_loss(values, old_values, returns, seg_mask, num_segments,
+                                 args.value_clip)
+    value_loss.backward()
+    return value_loss.item(), value_stats(values, old_values, returns, seg_mask, args.value_clip)
 
 
 # =====================================================================================
@@ -638,14 +661,11 @@ def train(args: Args) -> dict:
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
     policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
     ref = load_reference(policy, device, args) if needs_reference(args) else None  # SAPO: for r_m
-    critic_from = run.weights("critic", args.critic_model)  # SAPO: the critic V, in critic/
-    critic = load_critic(critic_from, device, args, tokenizer)
+    critic = load_critic(run.weights("critic", args.critic_model), device, args, tokenizer)  # SAPO
     eos_ids = eos_token_ids(policy, tokenizer)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)
-    critic_params = [p for p in critic.parameters() if p.requires_grad]  # SAPO: its own AdamW
-    critic_args = dataclasses.replace(args, lr=args.critic_lr)
-    critic_optimizer, critic_scheduler = common.make_optimizer(critic_params, critic_args)
+    critic_params, critic_optimizer, critic_scheduler = critic_optimizer_for(critic, args)  # SAPO
     sampler = tasks.PromptSampler(len(train_rows), args.seed)
     state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                  critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler)  # SAPO
@@ -695,22 +715,16 @@ def train(args: Args) -> dict:
                 loss_sum, value_loss_sum = 0.0, 0.0
                 for mb in micro_batches(batch, mini, args.micro_batch_size):
                     m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]
-                    old_v, R = seg["old_values"][mb], seg["returns"][mb]  # SAPO: [b, S] each
                     logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
                     A = advantages[mb]  # SAPO: A_m(t) [b, T]
                     loss = sapo_policy_loss(logp, old_logp[mb], A, sid, sm, m, args.clip_low,
                                             args.clip_high, num_tokens=num_tokens)  # SAPO: Eq. 9
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
-                    v_tokens = token_values(critic, batch, mb, args)  # SAPO: with grad
-                    values = segment_state_values(v_tokens, sid, sm, m, args.value_at)  # [b, S]
-                    value_loss = sapo_value_loss(values, old_v, R, sm, num_segments,
-                                                 args.value_clip)  # SAPO: Eq. 10
-                    value_loss.backward()  # SAPO
+                    value_loss, v_stats = value_backward(critic, batch, mb, seg, num_segments, args)
                     loss_sum += loss.item()
-                    value_loss_sum += value_loss.item()
+                    value_loss_sum += value_loss  # SAPO: Eq. 10's, backpropagated just above
                     stats.append({**sapo_stats(logp, old_logp[mb], A, sid, sm, m, args.clip_low,
-                                               args.clip_high),
-                                  **value_stats(values, old_v, R, sm, args.value_clip)})
+                                               args.clip_high), **v_stats})
                 step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
                                                    loss_sum)
                 stats.append({"loss": loss_sum, **step_stats})
