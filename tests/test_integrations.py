@@ -576,6 +576,8 @@ def _two_process_check():
     assert torch.equal(A_it, want[2 * rank:2 * rank + 2, :5 + rank])
     assert stats == erpo.token_advantage_stats(want, F["advantages"], W, psi, m)
     acc.print("two-process checks: OK")
+    acc.wait_for_everyone()
+    torch.distributed.destroy_process_group()  # a clean exit: gloo left up once aborted at exit
 
 
 if __name__ == "__main__":  # torchrun --nproc_per_node 2 tests/test_integrations.py
