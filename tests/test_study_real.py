@@ -112,3 +112,25 @@ def test_landed_runs_outlive_their_run_folder(tmp_path):
         not in rows
     assert "tepo-seq-mean,1,60,0.4,0.05,0.2,0.25,run" in rows  # landed, kept
     assert (docs / "steps.csv").read_text().count("\n") == 1 + 2 * 60
+
+
+def test_one_seed_configs_and_a_moot_cut_off_rule(tmp_path):
+    """erpo and sapo run once, outside the rules: the verdict table says whether seed 1 gained
+    0.05, never "pending"; the cut-off rule is only needed if tepo-seq-mean learns."""
+    out, docs = tmp_path / "study", tmp_path / "docs"
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        + "".join(f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
+                  for s in (1, 2, 3) for k in (0, 15, 30, 45, 60)))
+    for s in (1, 2, 3):  # neither learns; tepo's cut-off shares are not there at all
+        _run(out, f"tepo-seq-mean-s{s}", (0.1, 0.1, 0.1, 0.1, 0.1))
+        _run(out, f"tepo-seq-ppo-s{s}", (0.1, 0.1, 0.1, 0.1, 0.1))
+    _run(out, "erpo-s1", (0.1, 0.1, 0.1, 0.1, 0.14))
+    _run(out, "sapo-s1", (0.1, 0.1, 0.2, 0.2, 0.2))
+    assert sr.main(["--out", str(out), "--docs", str(docs), "--tiny", str(tmp_path / "no")]) == 0
+    text = (docs / "summary.md").read_text()
+    assert "| erpo | +0.040 | +0.040 | seed 1 only, no rule: does not gain 0.05 | - |" in text
+    assert "| sapo | +0.100 | +0.100 | seed 1 only, no rule: gains 0.05 | - |" in text
+    assert "at least 2 of 3 seeds: not needed: tepo-seq-mean fails.)" in text
+    assert "pending" not in text.replace("grpo-no-kl pending", "")
