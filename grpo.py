@@ -54,6 +54,10 @@ class Args(common.RunArgs):
     clip_low: float = arg(0.2, "eps: the ratio is clipped below at 1 - eps")
     clip_high: float = arg(0.2, "the ratio is clipped above at 1 + this (GRPO: the same eps)")
     kl_coef: float = arg(0.04, "beta, the coefficient of the KL term; 0 skips the reference model")
+    overlong_cache: int | None = arg(None, "L_cache: reward shaping, not part of the objective: "
+                                     "the reward loses up to 0.5 over the last L_cache tokens "
+                                     "before --max-new-tokens (DAPO's soft overlong punishment at "
+                                     "DAPO's weight); 0: off (every preset's)")
 
 
 PRESETS = tasks.presets()  # tiny, cpu, gpu: GRPO's are the house's (tasks.PRESETS)
@@ -66,6 +70,8 @@ def resolve_args(args: Args) -> Args:
         f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
         f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
         f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
+        f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
+        f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
     })
     return args
 
@@ -78,16 +84,31 @@ def needs_reference(args: Args) -> bool:
 # =====================================================================================
 # Reward
 # =====================================================================================
-def reward_fn(texts: list[str], answers: list[str], args):
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.Tensor:
+    """[B] -> [B], DAPO Sec. 3.4 (soft overlong punishment): 0 up to L_max - L_cache tokens,
+    then ((L_max - L_cache) - len) / L_cache, falling linearly to -1 at L_max, and -1 beyond."""
+    lengths = lengths.float()
+    soft = max_len - cache
+    ramp = (soft - lengths) / cache
+    return torch.where(lengths <= soft, 0.0, torch.where(lengths <= max_len, ramp, -1.0))
+
+
+def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args):
     """GRPO's outcome reward: r_i = 1 if the completion's final answer equals the reference
     answer, else 0. The final answer is the content of the last \\boxed{} (--answer-extraction
     math_verify: math-verify finds it in free text instead); it is compared with math-verify,
-    gold first, each parse and comparison time-bounded, and model text is never executed."""
+    gold first, each parse and comparison time-bounded, and model text is never executed.
+    --overlong-cache L adds a length term, reward shaping that is no part of the objective:
+    r_i = correct_i + 0.5 * overlong_penalty(len_i), DAPO's penalty at DAPO's weight (there -1
+    against a right/wrong gap of 2), so a completion cut off at --max-new-tokens loses 0.5."""
     grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
               for t, a in zip(texts, answers)]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
-    return correct.clone(), correct, parsed
+    if not args.overlong_cache:  # off: the outcome alone
+        return correct.clone(), correct, parsed
+    penalty = overlong_penalty(lengths.cpu(), args.max_new_tokens, args.overlong_cache)  # [B]
+    return correct + 0.5 * penalty, correct, parsed
 
 
 # =====================================================================================
@@ -192,7 +213,8 @@ def train(args: Args) -> dict:
 
         # 2. Reward r_i, then the group-relative advantage A_i (one value per completion)
         answers = [r["answer"] for r in rows for _ in range(G)]
-        rewards, correct, parsed = reward_fn(batch["texts"], answers, args)  # [B] each
+        lengths = batch["mask"].sum(1)  # [B] completion lengths in tokens
+        rewards, correct, parsed = reward_fn(batch["texts"], answers, lengths, args)  # [B] each
         advantages = group_advantages(rewards, G).to(device)  # [B]
         run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # diagnostics
         clock.lap("reward")

@@ -121,22 +121,24 @@ def damaged_weights(folder: Path, recursive: bool = False) -> str | None:
 # CPU (each value's reason: docs/real-models.md); gpu, the real run on one CUDA GPU. These are
 # GRPO's; a script changes only what its algorithm needs (presets()). lora_lr replaces lr under
 # --lora-rank: about 10x full fine-tuning's for real models (LoRA Without Regret, Thinking Machines
-# 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade).
+# 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade). overlong_cache,
+# the length term in the reward (reward shaping, docs/study/PLAN-length.md), is off in all three;
+# dapo.py's reward is built on it and sets its own.
 PRESETS = {"tiny": dict(dataset="tiny", template="tiny", eval_dataset="tiny",
                         answer_extraction="boxed", prompts_per_step=16, group_size=8,
                         max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4,
                         num_mini_batches=2, micro_batch_size=64, eval_every=40, eval_n=256,
-                        save_every=80),
+                        save_every=80, overlong_cache=0),
            "cpu": dict(dataset="words", template="chat", eval_dataset="words",
                        answer_extraction="math_verify", lora_rank=16, prompts_per_step=4,
                        group_size=8, max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4,
                        warmup_steps=2, num_mini_batches=2, micro_batch_size=16, gen_batch_size=64,
-                       eval_every=15, eval_n=128, save_every=15),
+                       eval_every=15, eval_n=128, save_every=15, overlong_cache=0),
            "gpu": dict(dataset="math", template="qwen_math", eval_dataset="math",
                        answer_extraction="boxed", prompts_per_step=32, group_size=8,
                        max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10,
                        num_mini_batches=4, micro_batch_size=4, gen_batch_size=64, eval_every=50,
-                       eval_n=500, save_every=50),}
+                       eval_n=500, save_every=50, overlong_cache=0),}
 
 
 def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:

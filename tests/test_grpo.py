@@ -255,7 +255,7 @@ def test_rollouts_shapes_and_grouping(tiny_dir):
 # ------------------------------------------------------------------ reward
 def test_reward_counts_unparsable():
     r, c, p = grpo.reward_fn(["x \\boxed{4}", "\\boxed{5}", "no box here"], ["4", "4", "4"],
-                             grpo.Args())
+                             torch.tensor([5, 3, 4]), grpo.Args())
     assert r.tolist() == [1.0, 0.0, 0.0] and c.tolist() == [1.0, 0.0, 0.0
                                                             ] and p.tolist() == [1.0, 1.0, 0.0]
 

@@ -283,7 +283,7 @@ def test_null_answers_are_dropped_and_counted(tmp_path, capsys):
 # -------------------------------------------------------------- 4. a run that cannot learn says so
 def test_a_silent_run_warns_with_the_likely_cause(tmp_path, monkeypatch, capsys):
     import grpo
-    monkeypatch.setattr(grpo, "reward_fn", lambda texts, answers,
+    monkeypatch.setattr(grpo, "reward_fn", lambda texts, answers, lengths,
                         args: (torch.zeros(len(texts)),) * 3)
     grpo.main(["--steps", "5", "--output-dir", str(tmp_path), "--run-name", "s", *SMALL])
     err = capsys.readouterr().err
@@ -295,8 +295,9 @@ def test_a_silent_run_warns_with_the_likely_cause(tmp_path, monkeypatch, capsys)
 def test_answer_extraction_option_grades_free_text_answers():
     import grpo
     texts = ["The answer is: 42", "#### 42", "so it is \\boxed{42}", "The answer is: 41"]
-    boxed = grpo.reward_fn(texts, ["42"] * 4, grpo.Args())[1]
-    free = grpo.reward_fn(texts, ["42"] * 4, grpo.Args(answer_extraction="math_verify"))[1]
+    lengths = torch.tensor([len(t) for t in texts])
+    boxed = grpo.reward_fn(texts, ["42"] * 4, lengths, grpo.Args())[1]
+    free = grpo.reward_fn(texts, ["42"] * 4, lengths, grpo.Args(answer_extraction="math_verify"))[1]
     assert boxed.tolist() == [0, 0, 1, 0] and free.tolist() == [1, 1, 1, 0]
 
 

@@ -1,7 +1,8 @@
 """The algorithm scripts repeat one skeleton on purpose, below one banner, so `diff grpo.py
 tepo.py` shows the algorithm and nothing else: that block must be the same text in every script.
 Above it each script holds its lesson (flags, reward, advantage, loss, train) and nothing of the
-skeleton's; the layout targets (the loss near the top, the module sizes) are checked here too."""
+skeleton's, in the pipeline's order: the loss before train(). No test counts lines: a file's
+length is for its reader to judge (lines stay within 100 columns: ruff, in CI)."""
 
 import ast
 from pathlib import Path
@@ -50,17 +51,8 @@ def test_lesson_first(script):
     above = defs(lesson)
     assert not set(above) & set(SKELETON), f"{script} redefines skeleton code above the banner"
     assert "train" in above and "Args" in above and "resolve_args" in above
-    limit = 300 if script == "sapo.py" else 200  # SAPO's segments come before its loss
-    assert above[LOSS[script]] < limit, f"{script}: the loss starts at line {above[LOSS[script]]}"
-    docstring = ast.get_docstring(ast.parse(lesson))
-    assert len(docstring.splitlines()) <= 32, f"{script}: the docstring is longer than ~30 lines"
-
-
-def test_sizes():
-    assert len(split("tepo.py")[0].splitlines()) <= 350  # TEPO's whole algorithm, to the banner
-    assert len((ROOT / "common.py").read_text().splitlines()) <= 350
-    for module in ("harness.py", "tasks.py"):  # the shared modules
-        assert len((ROOT / module).read_text().splitlines()) <= 600, module
+    assert above[LOSS[script]] < above["train"], f"{script}: the loss comes before train()"
+    assert ast.get_docstring(ast.parse(lesson)), f"{script} starts with its docstring"
 
 
 def test_one_name_per_idea_in_the_losses():

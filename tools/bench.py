@@ -551,8 +551,9 @@ def compare_with_trl(args: Args, steps: int) -> dict:
     rows, _ = grpo.load_data(a, tokenizer, ctx)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
-    def boxed_reward(completions, answer, **kwargs):  # grpo.py's own reward_fn
-        return grpo.reward_fn(completions, answer, a)[0].tolist()
+    def boxed_reward(completions, answer, completion_ids, **kwargs):  # grpo.py's own reward_fn
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return grpo.reward_fn(completions, answer, lengths, a)[0].tolist()
 
     project, trl_rows, failed = [], [], []
     project_turn, trl_turn = threading.Semaphore(0), threading.Semaphore(0)
