@@ -84,6 +84,9 @@ Not in the default list, only by --configs (PLAN.md's candidates (a) and (b), th
 spelled out so that they run the same whatever tepo.py's default is):
     tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28 (first reading)
     tepo-seq-gspo              (b): the sequence ratio clipped at GSPO's 3e-4 / 4e-4 (the default)
+    tepo-seq-mean, grpo-no-kl  docs/study/PLAN-real.md: GRPO's aggregation; GRPO without its KL
+    tepo-len, grpo-len,        docs/study/PLAN-length.md: each script with dapo.py's length term
+    erpo-len, sapo-len         in its reward (--overlong-cache 16)
 """
 
 from __future__ import annotations
@@ -157,6 +160,11 @@ CONFIGS = {
     "tepo-seq-gspo": ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"]),  # PLAN.md (b)
     "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: GRPO's
     "grpo-no-kl": ("grpo", ["--kl-coef", "0"]),  # PLAN-real.md: GRPO without its KL term
+    # PLAN-length.md: each script with dapo.py's length term (cpu value), seeds 1-3
+    "tepo-len": ("tepo", ["--overlong-cache", "16"]),
+    "grpo-len": ("grpo", ["--overlong-cache", "16"]),
+    "erpo-len": ("erpo", ["--overlong-cache", "16"]),
+    "sapo-len": ("sapo", ["--overlong-cache", "16"]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
 # every run goes through it: the studies' diagnostics
