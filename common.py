@@ -41,8 +41,15 @@ def first_line(e: Exception) -> str:
 ANSWER_EXTRACTIONS = ("boxed", "math_verify")  # what tasks.grade reads as the final answer
 PRESET_NAMES = ("tiny", "cpu", "gpu")
 # The flags a --resume may change, because they do not change what is learned.
-RESUMABLE = ("steps", "device", "save_every", "keep_checkpoints", "sample_every", "tensorboard",
-             "resume")
+RESUMABLE = (
+    "steps",
+    "device",
+    "save_every",
+    "keep_checkpoints",
+    "sample_every",
+    "tensorboard",
+    "resume",
+)
 
 
 def arg(default, help: str, **metadata):
@@ -66,6 +73,7 @@ def parse_args(cls, argv=None):
 class RunArgs:
     """The run's flags, the same in every script; a script's Args adds its algorithm's. A flag
     left at None takes the preset's value (PRESETS, as the script changes them)."""
+
     # --- model and data ---
     model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
     dataset: str | None = arg(None, "tiny, words, math, dapo-math, a hub id, or a data file")
@@ -73,17 +81,25 @@ class RunArgs:
     answer_column: str | None = arg(None, "column of the answer (default: known, or 'answer')")
     template: str | None = arg(None, "prompt template: qwen_math, tiny, plain or chat")
     eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
-    answer_extraction: str | None = arg(None, "final answer: the last \\boxed{}, or math-verify's "
-                                        "from free text", choices=list(ANSWER_EXTRACTIONS))
+    answer_extraction: str | None = arg(
+        None,
+        "final answer: the last \\boxed{}, or math-verify's from free text",
+        choices=list(ANSWER_EXTRACTIONS),
+    )
     trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
-    preset: str = arg("auto", "where unset flags take their values: tiny (the bundled model), cpu, "
-                      "gpu; auto picks by --model and --device", choices=["auto", *PRESET_NAMES])
+    preset: str = arg(
+        "auto",
+        "where unset flags take their values: tiny (the bundled model), cpu, "
+        "gpu; auto picks by --model and --device",
+        choices=["auto", *PRESET_NAMES],
+    )
     # --- rollouts ---
     prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
     group_size: int | None = arg(None, "G, completions sampled per prompt")
     max_new_tokens: int | None = arg(None, "completion length cap")
-    max_prompt_tokens: int | None = arg(None, "longer prompts are dropped (default: context - "
-                                        "max_new_tokens)")
+    max_prompt_tokens: int | None = arg(
+        None, "longer prompts are dropped (default: context - max_new_tokens)"
+    )
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
     top_p: float = arg(1.0, "nucleus sampling; keep 1.0: log-probs describe what was sampled")
     gen_batch_size: int | None = arg(None, "completions per generate() call (default: all)")
@@ -100,11 +116,17 @@ class RunArgs:
     gradient_checkpointing: bool | None = arg(None, "recompute activations (default: on CUDA)")
     bf16: bool | None = arg(None, "bf16 autocast over fp32 weights (default: on CUDA)")
     # --- LoRA (PEFT) ---
-    lora_rank: int | None = arg(None, "LoRA rank r: adapters on a frozen base; 0 = full "
-                                "fine-tuning (the tiny and gpu presets'; the cpu preset's is 16)")
+    lora_rank: int | None = arg(
+        None,
+        "LoRA rank r: adapters on a frozen base; 0 = full "
+        "fine-tuning (the tiny and gpu presets'; the cpu preset's is 16)",
+    )
     lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
-    lora_target_modules: str = arg("all-linear", "modules that get adapters: all-linear (every "
-                                   "linear layer of the blocks) or a list, e.g. q_proj,v_proj")
+    lora_target_modules: str = arg(
+        "all-linear",
+        "modules that get adapters: all-linear (every "
+        "linear layer of the blocks) or a list, e.g. q_proj,v_proj",
+    )
     # --- run ---
     seed: int = arg(1, "seed for data order, sampling and init")
     device: str = arg("auto", "auto, cpu, cuda or cuda:N")
@@ -117,14 +139,31 @@ class RunArgs:
     sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
     grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
     tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
-    resume: str | None = arg(None, "a run folder or checkpoint to continue, in place, with its "
-                             "saved flags (only " + ", ".join(f"--{k.replace('_', '-')}" for k in
-                             RESUMABLE[:-1]) + " may change)")
+    resume: str | None = arg(
+        None,
+        "a run folder or checkpoint to continue, in place, with its "
+        "saved flags (only "
+        + ", ".join(f"--{k.replace('_', '-')}" for k in RESUMABLE[:-1])
+        + " may change)",
+    )
 
 
-AT_LEAST_ONE = ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "gen_batch_size",
-                "steps", "num_mini_batches", "ppo_epochs", "micro_batch_size", "eval_every",
-                "eval_n", "save_every", "keep_checkpoints", "sample_every", "grader_timeout")
+AT_LEAST_ONE = (
+    "prompts_per_step",
+    "max_new_tokens",
+    "max_prompt_tokens",
+    "gen_batch_size",
+    "steps",
+    "num_mini_batches",
+    "ppo_epochs",
+    "micro_batch_size",
+    "eval_every",
+    "eval_n",
+    "save_every",
+    "keep_checkpoints",
+    "sample_every",
+    "grader_timeout",
+)
 
 
 def flag(name: str) -> str:
@@ -144,11 +183,17 @@ def check_finite(args) -> None:
 
 def changed_flags(args, saved, defaults) -> list[str]:
     """The flags given on a --resume (not at their defaults) that differ from the saved run's."""
+
     def flag(k):
         return "--" + k.replace("_", "-")
-    return [f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
-            for k in (f.name for f in dataclasses.fields(args)) if k not in RESUMABLE
-            and getattr(args, k) != getattr(defaults, k) and getattr(args, k) != getattr(saved, k)]
+
+    return [
+        f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
+        for k in (f.name for f in dataclasses.fields(args))
+        if k not in RESUMABLE
+        and getattr(args, k) != getattr(defaults, k)
+        and getattr(args, k) != getattr(saved, k)
+    ]
 
 
 def check_args(args, rules: dict[str, bool] | None = None) -> None:
@@ -170,13 +215,17 @@ def check_args(args, rules: dict[str, bool] | None = None) -> None:
     if getattr(args, "top_p", None) is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], not {args.top_p}")
     if (getattr(args, "lora_rank", 0) or 0) < 0 or getattr(args, "lora_alpha", 1) <= 0:
-        raise UserError(f"--lora-rank must be >= 0 (0: full fine-tuning) and --lora-alpha > 0, not "
-                        f"{args.lora_rank} and {args.lora_alpha}")
+        raise UserError(
+            f"--lora-rank must be >= 0 (0: full fine-tuning) and --lora-alpha > 0, not "
+            f"{args.lora_rank} and {args.lora_alpha}"
+        )
     if (getattr(args, "lora_rank", 0) or 0) > 0 and importlib.util.find_spec("peft") is None:
         raise UserError("--lora-rank needs peft: pip install peft")
     if getattr(args, "answer_extraction", "boxed") not in ANSWER_EXTRACTIONS:
-        raise UserError(f"--answer-extraction must be one of {', '.join(ANSWER_EXTRACTIONS)}, not "
-                        f"{args.answer_extraction!r}")
+        raise UserError(
+            f"--answer-extraction must be one of {', '.join(ANSWER_EXTRACTIONS)}, not "
+            f"{args.answer_extraction!r}"
+        )
     for message, ok in (rules or {}).items():
         if not ok:
             raise UserError(message)
@@ -195,8 +244,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name} was asked for, but PyTorch sees no CUDA GPU here "
-                        f"(torch {torch.__version__}); use --device cpu or auto")
+        raise UserError(
+            f"--device {name} was asked for, but PyTorch sees no CUDA GPU here "
+            f"(torch {torch.__version__}); use --device cpu or auto"
+        )
     if name not in ("cpu",) and not name.startswith("cuda"):
         raise UserError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N")
     return torch.device(name)
@@ -224,8 +275,9 @@ def make_optimizer(params: list, args):
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise UserError("--optim adamw8bit needs bitsandbytes: pip install bitsandbytes") \
-                from None
+            raise UserError(
+                "--optim adamw8bit needs bitsandbytes: pip install bitsandbytes"
+            ) from None
         optimizer = bnb.optim.AdamW8bit(params, lr=args.lr, weight_decay=args.weight_decay)
     elif args.optim == "adamw":
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -296,8 +348,11 @@ class Stopwatch:
     def metrics(self, tokens: float) -> dict:
         """time/<phase> for each phase, time/step since the start, and the step's tokens/s."""
         step = self._now() - self.start
-        return {**{f"time/{k}": v for k, v in self.times.items()}, "time/step": step,
-                "tokens_per_s": tokens / step}
+        return {
+            **{f"time/{k}": v for k, v in self.times.items()},
+            "time/step": step,
+            "tokens_per_s": tokens / step,
+        }
 
 
 def warn(msg: str) -> None:
@@ -314,8 +369,11 @@ def _colour(v: float, lo: float, hi: float) -> str:
     """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
     if lo < 0 < hi:
         s = v / max(abs(lo), abs(hi)) if v else 0.0
-        r, g, b = (255, int(255 * (1 - s)),
-                   int(255 * (1 - s))) if s > 0 else (int(255 * (1 + s)),) * 2 + (255,)
+        r, g, b = (
+            (255, int(255 * (1 - s)), int(255 * (1 - s)))
+            if s > 0
+            else (int(255 * (1 + s)),) * 2 + (255,)
+        )
     else:
         s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
         r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
@@ -328,23 +386,29 @@ def token_html(title: str, rows: list[dict]) -> str:
     names = list(rows[0]["values"]) if rows else []
     every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
     ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
-    out = [f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
-           "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
-           ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
-           ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
-           f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
-           *[f"<option>{escape(n)}</option>" for n in names],
-           "</select> (hover a token for every value)</p>"]
+    out = [
+        f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+        ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
+        ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
+        f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
+        *[f"<option>{escape(n)}</option>" for n in names],
+        "</select> (hover a token for every value)</p>",
+    ]
     for r in rows:
-        out.append(f"<div class='sample'><b>{escape(r['header'])}</b>"
-                   f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>")
+        out.append(
+            f"<div class='sample'><b>{escape(r['header'])}</b>"
+            f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>"
+        )
         for t, tok in enumerate(r["tokens"]):
             vals = {n: r["values"][n][t] for n in names}
             data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
             tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
             out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
         out.append("</div></div>")
-    out.append("<script>function paint(){var q=document.getElementById('q').value;"
-               "document.querySelectorAll('.tok').forEach(function(e){"
-               "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>")
+    out.append(
+        "<script>function paint(){var q=document.getElementById('q').value;"
+        "document.querySelectorAll('.tok').forEach(function(e){"
+        "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>"
+    )
     return "\n".join(out)

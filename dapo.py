@@ -54,15 +54,19 @@ ALGO = "dapo"
 class Args(common.RunArgs):
     clip_low: float = arg(0.2, "eps_low: the ratio is clipped below at 1 - eps_low")
     clip_high: float = arg(0.28, "eps_high: the ratio is clipped above at 1 + eps_high")
-    overlong_cache: int | None = arg(None, "L_cache: the length penalty ramps over the last "
-                                     "L_cache tokens before --max-new-tokens")
+    overlong_cache: int | None = arg(
+        None,
+        "L_cache: the length penalty ramps over the last L_cache tokens before --max-new-tokens",
+    )
     max_gen_rounds: int = arg(4, "dynamic sampling: at most this many generation rounds a step")
 
 
 # DAPO: L_cache by scale; the real run as the paper's, 16 prompts x 16, 20 warm-up steps
-PRESETS = tasks.presets(tiny=dict(overlong_cache=8), cpu=dict(overlong_cache=16),
-                        gpu=dict(prompts_per_step=16, group_size=16, overlong_cache=600,
-                                 warmup_steps=20))
+PRESETS = tasks.presets(
+    tiny=dict(overlong_cache=8),
+    cpu=dict(overlong_cache=16),
+    gpu=dict(prompts_per_step=16, group_size=16, overlong_cache=600, warmup_steps=20),
+)
 
 
 def resolve_args(args: Args) -> Args:
@@ -71,16 +75,22 @@ def resolve_args(args: Args) -> Args:
     tasks.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     if not cache_given and args.overlong_cache >= args.max_new_tokens:  # the preset's is too long
         args.overlong_cache = max(1, args.max_new_tokens // 5)
-        print(f"--overlong-cache set to {args.overlong_cache}: the preset's exceeds "
-              f"--max-new-tokens")
-    common.check_args(args, {
-        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
-        f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
-        f"--overlong-cache {args.overlong_cache} must be at least 1 and below --max-new-tokens "
-        f"{args.max_new_tokens} (else every completion is penalised)":
-            1 <= args.overlong_cache < args.max_new_tokens,
-        f"--max-gen-rounds must be at least 1, not {args.max_gen_rounds}": args.max_gen_rounds >= 1,
-    })
+        print(
+            f"--overlong-cache set to {args.overlong_cache}: the preset's exceeds --max-new-tokens"
+        )
+    common.check_args(
+        args,
+        {
+            f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
+            f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
+            f"--overlong-cache {args.overlong_cache} must be at least 1 and below --max-new-tokens "
+            f"{args.max_new_tokens} (else every completion is penalised)": 1
+            <= args.overlong_cache
+            < args.max_new_tokens,
+            f"--max-gen-rounds must be at least 1, not {args.max_gen_rounds}": args.max_gen_rounds
+            >= 1,
+        },
+    )
     return args
 
 
@@ -107,8 +117,10 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     last \\boxed{} (--answer-extraction math_verify: math-verify finds it in free text instead);
     it is compared with math-verify, gold first, each parse and comparison time-bounded, and
     model text is never executed."""
-    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
-              for t, a in zip(texts, answers)]
+    grades = [
+        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        for t, a in zip(texts, answers)
+    ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     penalty = overlong_penalty(lengths.cpu(), args.max_new_tokens, args.overlong_cache)  # [B]
@@ -140,22 +152,32 @@ def dynamic_sampling(sample_round, P: int, G: int, max_rounds: int):
         n_dropped += int((~keep_groups).sum())
         rows = keep_groups.repeat_interleave(G).nonzero().squeeze(1)
         idx = rows.tolist()
-        kept.append({k: [v[i] for i in idx] if isinstance(v, list) else v[rows.to(v.device)]
-                     for k, v in b.items()})
+        kept.append(
+            {
+                k: [v[i] for i in idx] if isinstance(v, list) else v[rows.to(v.device)]
+                for k, v in b.items()
+            }
+        )
     if n_kept < P:
-        tqdm.write(f"dynamic sampling: stopped at the round limit ({max_rounds}) with {n_kept} "
-                   f"of {P} mixed groups")
+        tqdm.write(
+            f"dynamic sampling: stopped at the round limit ({max_rounds}) with {n_kept} "
+            f"of {P} mixed groups"
+        )
     batch = {}
     for k, v in kept[0].items():
         parts = [b[k] for b in kept]
         if isinstance(v, list):
-            batch[k] = sum(parts, [])[:P * G]
+            batch[k] = sum(parts, [])[: P * G]
         elif v.dim() == 2:  # prompts left-padded, completions right-padded; padding is masked out
-            batch[k] = _pad_cat(parts, 0, left=k.startswith("prompt"))[:P * G]
+            batch[k] = _pad_cat(parts, 0, left=k.startswith("prompt"))[: P * G]
         else:
-            batch[k] = torch.cat(parts)[:P * G]
-    info = {"rounds": rounds, "kept_groups": min(n_kept, P), "dropped_groups": n_dropped,
-            "hit_round_limit": n_kept < P}
+            batch[k] = torch.cat(parts)[: P * G]
+    info = {
+        "rounds": rounds,
+        "kept_groups": min(n_kept, P),
+        "dropped_groups": n_dropped,
+        "hit_round_limit": n_kept < P,
+    }
     return batch, info
 
 
@@ -273,31 +295,46 @@ def train(args: Args) -> dict:
                 for mb in micro_batches(batch, mini, args.micro_batch_size):
                     logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
                     A, m = advantages[mb], batch["mask"][mb]
-                    loss = dapo_loss(logp, old_logp[mb], A, m, args.clip_low, args.clip_high,
-                                     num_tokens=num_tokens)
+                    loss = dapo_loss(
+                        logp,
+                        old_logp[mb],
+                        A,
+                        m,
+                        args.clip_low,
+                        args.clip_high,
+                        num_tokens=num_tokens,
+                    )
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     loss_sum += loss.item()
-                    stats.append(dapo_stats(logp, old_logp[mb], A, m, args.clip_low,
-                                            args.clip_high))
+                    stats.append(
+                        dapo_stats(logp, old_logp[mb], A, m, args.clip_low, args.clip_high)
+                    )
                     run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb])
-                step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
-                                                   loss_sum)
+                step_stats = common.optimizer_step(
+                    optimizer, scheduler, params, args.max_grad_norm, loss_sum
+                )
                 stats.append({"loss": loss_sum, **step_stats})
         clock.lap("update")
 
         # 5. Metrics (DAPO: reward and accuracy over every sampled completion, kept or not),
         #    samples, held-out evaluation, checkpoint
-        rewards, correct, parsed = (torch.cat([b[k] for b in sampled])
-                                    for k in ("rewards", "correct", "parsed"))
-        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
-                   **common.reduce_stats(stats), "kept_groups": ds_info["kept_groups"],
-                   "dropped_groups": ds_info["dropped_groups"], "gen_rounds": ds_info["rounds"],
-                   "lr": scheduler.get_last_lr()[0],
-                   **clock.metrics(tokens=batch["mask"].sum().item())}
+        rewards, correct, parsed = (
+            torch.cat([b[k] for b in sampled]) for k in ("rewards", "correct", "parsed")
+        )
+        metrics = {
+            **rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
+            **common.reduce_stats(stats),
+            "kept_groups": ds_info["kept_groups"],
+            "dropped_groups": ds_info["dropped_groups"],
+            "gen_rounds": ds_info["rounds"],
+            "lr": scheduler.get_last_lr()[0],
+            **clock.metrics(tokens=batch["mask"].sum().item()),
+        }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, batch["rewards"])
-            run.write_samples(step, tokenizer, batch, batch["rewards"], advantages,
-                              {"entropy": old_entropy})
+            run.write_samples(
+                step, tokenizer, batch, batch["rewards"], advantages, {"entropy": old_entropy}
+            )
         if eval_rows and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
         run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
@@ -339,8 +376,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
-                                                     trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
         raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
     # the log-prob pass reads logits as lm_head(last hidden state): a model that rescales or
@@ -349,13 +387,15 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
         x = torch.arange(3)[None]
         direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
         if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
-            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. "
-                            "soft-capping or a logit scale), which this script's chunked log-prob "
-                            "pass does not reproduce")
+            raise UserError(
+                f"model {name!r} transforms its logits after the output layer (e.g. "
+                "soft-capping or a logit scale), which this script's chunked log-prob "
+                "pass does not reproduce"
+            )
     own = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id,
-                                               pad_token_id=own.pad_token_id,
-                                               bos_token_id=own.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id, bos_token_id=own.bos_token_id
+    )
     for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -385,12 +425,19 @@ def add_lora(model, base: str, args, adapter: str | None = None):
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
         else:
-            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                target_modules=targets, task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
             model = get_peft_model(model, config)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, or PEFT failed
-        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
-                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
+        raise UserError(
+            f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
+            f"{args.lora_target_modules}): {common.first_line(e)}"
+        ) from None
     if Path(base).is_dir():  # the checkpoint names its base by full path: eval.py finds it anywhere
         model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     for p in model.parameters():
@@ -414,12 +461,14 @@ class AdapterOff:
         def without_adapters(**inputs):
             with self.policy.disable_adapter():
                 return self.policy.get_decoder()(**inputs)
+
         return without_adapters
 
     def get_output_embeddings(self):
         def without_adapters(h):
             with self.policy.disable_adapter():
                 return self.policy.get_output_embeddings()(h)
+
         return without_adapters
 
 
@@ -460,11 +509,15 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
-        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
-                        f"(context - max_new_tokens); lower --max-new-tokens")
+        raise UserError(
+            f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
+            f"(context - max_new_tokens); lower --max-new-tokens"
+        )
     if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
-              f"{max_prompt_tokens} tokens")
+        print(
+            f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+            f"{max_prompt_tokens} tokens"
+        )
     return kept
 
 
@@ -472,13 +525,17 @@ def load_data(args, tokenizer, ctx: int):
     """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
     prompt + completion within the model's context)."""
     if args.max_new_tokens >= ctx:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
-                        f"this model's {ctx}-token context")
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+            f"this model's {ctx}-token context"
+        )
     max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
     if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
-                        f"{args.max_new_tokens} "
-                        f"exceed this model's {ctx}-token context")
+        raise UserError(
+            f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
+            f"{args.max_new_tokens} "
+            f"exceed this model's {ctx}-token context"
+        )
     train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
     if args.eval_dataset == "none":
         print("no held-out evaluation (--eval-dataset none)")
@@ -502,8 +559,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+    return [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())
+    ]
 
 
 @torch.no_grad()
@@ -514,25 +573,40 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     gen_cfg = GenerationConfig(  # every sampling setting written out: nothing else shapes it
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=0,
         max_new_tokens=args.max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
     model.eval()
     chunks, n = [], args.gen_batch_size or len(prompt_ids)
     for i in range(0, len(prompt_ids), n):
         with autocast(args):
-            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                 generation_config=gen_cfg)
-        chunks.append(out[:, prompt_ids.shape[1]:])
+            out = model.generate(
+                input_ids=prompt_ids[i : i + n],
+                attention_mask=prompt_mask[i : i + n],
+                generation_config=gen_cfg,
+            )
+        chunks.append(out[:, prompt_ids.shape[1] :])
     T = max(c.shape[1] for c in chunks)
     padded = [F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
     completion_ids = torch.cat(padded)  # [B, T]
     mask = completion_mask(completion_ids, eos_ids)  # [B, T]
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
     texts = decode_completions(tokenizer, completion_ids, mask)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                mask=mask, truncated=truncated, texts=texts,
-                prompts=[p for p in prompts for _ in range(G)])
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        mask=mask,
+        truncated=truncated,
+        texts=texts,
+        prompts=[p for p in prompts for _ in range(G)],
+    )
 
 
 def model_inputs(batch, rows):
@@ -579,16 +653,29 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
-    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+        hidden = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature,
-                  with_entropy, extra)
+        args_i = (
+            h[i : i + chunk],
+            lm_head,
+            ids[valid][i : i + chunk],
+            args.temperature,
+            with_entropy,
+            extra,
+        )
         with autocast(args):
-            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+            outs.append(
+                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                if torch.is_grad_enabled()
+                else _logp_entropy_chunk(*args_i)
+            )
 
     def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
         if outs and outs[0][k] is None:
@@ -597,6 +684,7 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
         full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
         zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
         return zeros.masked_scatter(full, flat)
+
     return scatter(0), scatter(1), scatter(2)
 
 
@@ -614,6 +702,7 @@ def batch_logps(model, batch: dict, args, extra=None):
 
     def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
         return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+
     return joined(0), joined(1), joined(2)
 
 
@@ -623,22 +712,34 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
     """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
-        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
-                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
-                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
-                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        cfg = GenerationConfig(
+            do_sample=sample,
+            temperature=args.temperature if sample else None,
+            top_p=args.top_p if sample else None,
+            top_k=0 if sample else None,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+        )
         correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         chunks = range(0, len(problems), n)
         for i in tqdm(chunks, desc=f"eval ({name})", leave=False, dynamic_ncols=True):
-            chunk = problems[i:i + n]
-            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
+            chunk = problems[i : i + n]
+            enc = tokenizer(
+                [p["prompt"] for p in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
             with autocast(args):
-                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
+                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            grades = [tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
-                      for t, p in zip(texts, chunk)]
+            grades = [
+                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                for t, p in zip(texts, chunk)
+            ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
@@ -655,13 +756,17 @@ def show_samples(step, batch, rewards, k=2):
 def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
     m = batch["mask"].bool()
     zero_std = rewards.view(-1, G).std(1) == 0  # [P]: groups that teach nothing
-    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
-            "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
-            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
-            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
-            "truncated_frac": batch["truncated"].float().mean().item()}
+    return {
+        "reward": rewards.mean().item(),
+        "accuracy": correct.mean().item(),
+        "unparsable_frac": 1 - parsed.mean().item(),
+        "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
+        "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+        "completions": len(m),
+        "completion_len": m.sum(1).float().mean().item(),
+        "completion_len_max": m.sum(1).max().item() if len(m) else 0,
+        "truncated_frac": batch["truncated"].float().mean().item(),
+    }
 
 
 def main(argv=None):

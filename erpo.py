@@ -54,19 +54,32 @@ ALGO = "erpo"
 class Args(common.RunArgs):
     clip_low: float = arg(0.2, "eps: the ratio is clipped below at 1 - eps")
     clip_high: float = arg(0.2, "the ratio is clipped above at 1 + this (as GRPO: the same eps)")
-    kl_coef: float = arg(0.04, "beta, the coefficient of the KL term; 0 drops it (the reference "
-                         "model is still loaded: the progress signal needs it)")
-    gate_gamma: float = arg(5.0, "gamma, sharpness of the entropy gate sigmoid(gamma * "
-                            "group-normalised entropy) (our reading)")
-    num_buckets: int = arg(10, "K, relative-position buckets in which the progress signal is "
-                           "normalised (our reading)")
-    synthesis: str = arg("gated", "token advantage (our reading): gated A_i (1 + W) + eta Psi, or "
-                         "additive A_i + eta Psi", choices=["gated", "additive"])
+    kl_coef: float = arg(
+        0.04,
+        "beta, the coefficient of the KL term; 0 drops it (the reference "
+        "model is still loaded: the progress signal needs it)",
+    )
+    gate_gamma: float = arg(
+        5.0,
+        "gamma, sharpness of the entropy gate sigmoid(gamma * "
+        "group-normalised entropy) (our reading)",
+    )
+    num_buckets: int = arg(
+        10, "K, relative-position buckets in which the progress signal is normalised (our reading)"
+    )
+    synthesis: str = arg(
+        "gated",
+        "token advantage (our reading): gated A_i (1 + W) + eta Psi, or additive A_i + eta Psi",
+        choices=["gated", "additive"],
+    )
     eta: float = arg(0.2, "weight of the progress term Psi in the token advantage (our reading)")
-    overlong_cache: int | None = arg(None, "L_cache: reward shaping, not part of the objective: "
-                                     "the reward loses up to 0.5 over the last L_cache tokens "
-                                     "before --max-new-tokens (DAPO's soft overlong punishment at "
-                                     "DAPO's weight); 0: off (every preset's)")
+    overlong_cache: int | None = arg(
+        None,
+        "L_cache: reward shaping, not part of the objective: "
+        "the reward loses up to 0.5 over the last L_cache tokens "
+        "before --max-new-tokens (DAPO's soft overlong punishment at "
+        "DAPO's weight); 0: off (every preset's)",
+    )
 
 
 PRESETS = tasks.presets()  # tiny, cpu, gpu: GRPO's
@@ -75,16 +88,19 @@ PRESETS = tasks.presets()  # tiny, cpu, gpu: GRPO's
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag left unset, then every flag checked."""
     tasks.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
-    common.check_args(args, {
-        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
-        f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
-        f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
-        f"--gate-gamma must be >= 0, not {args.gate_gamma}": args.gate_gamma >= 0,
-        f"--num-buckets must be at least 1, not {args.num_buckets}": args.num_buckets >= 1,
-        f"--eta must be >= 0, not {args.eta}": args.eta >= 0,
-        f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
-        f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
-    })
+    common.check_args(
+        args,
+        {
+            f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
+            f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
+            f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
+            f"--gate-gamma must be >= 0, not {args.gate_gamma}": args.gate_gamma >= 0,
+            f"--num-buckets must be at least 1, not {args.num_buckets}": args.num_buckets >= 1,
+            f"--eta must be >= 0, not {args.eta}": args.eta >= 0,
+            f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
+            f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
+        },
+    )
     return args
 
 
@@ -113,8 +129,10 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     --overlong-cache L adds a length term, reward shaping that is no part of the objective:
     r_i = correct_i + 0.5 * overlong_penalty(len_i), DAPO's penalty at DAPO's weight (there -1
     against a right/wrong gap of 2), so a completion cut off at --max-new-tokens loses 0.5."""
-    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
-              for t, a in zip(texts, answers)]
+    grades = [
+        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        for t, a in zip(texts, answers)
+    ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     if not args.overlong_cache:  # off: the outcome alone
@@ -142,8 +160,17 @@ def seq_mean_token_mean(l: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> t
     return per_seq.sum() / num_seqs
 
 
-def erpo_loss(logp, old_logp, ref_logp, advantages, mask,
-              clip_low=0.2, clip_high=0.2, kl_coef=0.04, num_seqs=None):
+def erpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    kl_coef=0.04,
+    num_seqs=None,
+):
     """ERPO loss: GRPO's (DeepSeekMath Eq. 3, KL as a loss term) with one advantage per token,
     aggregated seq-mean-token-mean. Copy it with k3_kl and seq_mean_token_mean; it needs
     nothing but torch.
@@ -370,11 +397,13 @@ def token_advantage_stats(advantages_it, advantages, gate, psi, mask) -> dict:
     mean_i = A_it.sum(1) / len_i.clamp(min=1)
     var_i = (torch.where(valid, A_it - mean_i[:, None], 0.0) ** 2).sum(1) / len_i.clamp(min=1)
     rows = len_i > 0
-    stats = {"gate_mean": torch.where(valid, gate, 0.0).sum() / n,
-             "gate_high_frac": (valid & (gate > 0.9)).sum() / n,
-             "psi_abs_mean": torch.where(valid, psi.abs(), 0.0).sum() / n,
-             "sign_flip_frac": flipped.sum() / signed.sum().clamp(min=1),
-             "adv_token_std": var_i.sqrt()[rows].sum() / rows.sum().clamp(min=1)}
+    stats = {
+        "gate_mean": torch.where(valid, gate, 0.0).sum() / n,
+        "gate_high_frac": (valid & (gate > 0.9)).sum() / n,
+        "psi_abs_mean": torch.where(valid, psi.abs(), 0.0).sum() / n,
+        "sign_flip_frac": flipped.sum() / signed.sum().clamp(min=1),
+        "adv_token_std": var_i.sqrt()[rows].sum() / rows.sum().clamp(min=1),
+    }
     return {k: v.item() for k, v in stats.items()}
 
 
@@ -439,22 +468,36 @@ def train(args: Args) -> dict:
                     logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
                     ref_mb = ref_logp[mb] if ref_logp is not None else None
                     A, m = A_it[mb], batch["mask"][mb]  # ERPO: A_it [b, T]
-                    loss = erpo_loss(logp, old_logp[mb], ref_mb, A, m, args.clip_low,
-                                     args.clip_high, args.kl_coef, num_seqs=len(mini))
+                    loss = erpo_loss(
+                        logp,
+                        old_logp[mb],
+                        ref_mb,
+                        A,
+                        m,
+                        args.clip_low,
+                        args.clip_high,
+                        args.kl_coef,
+                        num_seqs=len(mini),
+                    )
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     loss_sum += loss.item()
-                    stats.append(erpo_stats(logp, old_logp[mb], ref_mb, A, m, args.clip_low,
-                                            args.clip_high))
+                    stats.append(
+                        erpo_stats(logp, old_logp[mb], ref_mb, A, m, args.clip_low, args.clip_high)
+                    )
                     run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=ref_mb)
-                step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
-                                                   loss_sum)
+                step_stats = common.optimizer_step(
+                    optimizer, scheduler, params, args.max_grad_norm, loss_sum
+                )
                 stats.append({"loss": loss_sum, **step_stats})
         clock.lap("update")
 
         # 5. Metrics, samples, held-out evaluation, checkpoint
-        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
-                   **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
-                   **clock.metrics(tokens=batch["mask"].sum().item())}
+        metrics = {
+            **rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
+            **common.reduce_stats(stats),
+            "lr": scheduler.get_last_lr()[0],
+            **clock.metrics(tokens=batch["mask"].sum().item()),
+        }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
             shown = {"entropy": old_entropy, "gate": W, "A_it": A_it, "psi": psi}  # ERPO
@@ -500,8 +543,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
-                                                     trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
         raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
     # the log-prob pass reads logits as lm_head(last hidden state): a model that rescales or
@@ -510,13 +554,15 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
         x = torch.arange(3)[None]
         direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
         if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
-            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. "
-                            "soft-capping or a logit scale), which this script's chunked log-prob "
-                            "pass does not reproduce")
+            raise UserError(
+                f"model {name!r} transforms its logits after the output layer (e.g. "
+                "soft-capping or a logit scale), which this script's chunked log-prob "
+                "pass does not reproduce"
+            )
     own = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id,
-                                               pad_token_id=own.pad_token_id,
-                                               bos_token_id=own.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id, bos_token_id=own.bos_token_id
+    )
     for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -546,12 +592,19 @@ def add_lora(model, base: str, args, adapter: str | None = None):
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
         else:
-            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                target_modules=targets, task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
             model = get_peft_model(model, config)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, or PEFT failed
-        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
-                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
+        raise UserError(
+            f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
+            f"{args.lora_target_modules}): {common.first_line(e)}"
+        ) from None
     if Path(base).is_dir():  # the checkpoint names its base by full path: eval.py finds it anywhere
         model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     for p in model.parameters():
@@ -575,12 +628,14 @@ class AdapterOff:
         def without_adapters(**inputs):
             with self.policy.disable_adapter():
                 return self.policy.get_decoder()(**inputs)
+
         return without_adapters
 
     def get_output_embeddings(self):
         def without_adapters(h):
             with self.policy.disable_adapter():
                 return self.policy.get_output_embeddings()(h)
+
         return without_adapters
 
 
@@ -621,11 +676,15 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
-        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
-                        f"(context - max_new_tokens); lower --max-new-tokens")
+        raise UserError(
+            f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
+            f"(context - max_new_tokens); lower --max-new-tokens"
+        )
     if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
-              f"{max_prompt_tokens} tokens")
+        print(
+            f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+            f"{max_prompt_tokens} tokens"
+        )
     return kept
 
 
@@ -633,13 +692,17 @@ def load_data(args, tokenizer, ctx: int):
     """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
     prompt + completion within the model's context)."""
     if args.max_new_tokens >= ctx:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
-                        f"this model's {ctx}-token context")
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+            f"this model's {ctx}-token context"
+        )
     max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
     if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
-                        f"{args.max_new_tokens} "
-                        f"exceed this model's {ctx}-token context")
+        raise UserError(
+            f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
+            f"{args.max_new_tokens} "
+            f"exceed this model's {ctx}-token context"
+        )
     train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
     if args.eval_dataset == "none":
         print("no held-out evaluation (--eval-dataset none)")
@@ -663,8 +726,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+    return [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())
+    ]
 
 
 @torch.no_grad()
@@ -675,25 +740,40 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     gen_cfg = GenerationConfig(  # every sampling setting written out: nothing else shapes it
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=0,
         max_new_tokens=args.max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
     model.eval()
     chunks, n = [], args.gen_batch_size or len(prompt_ids)
     for i in range(0, len(prompt_ids), n):
         with autocast(args):
-            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                 generation_config=gen_cfg)
-        chunks.append(out[:, prompt_ids.shape[1]:])
+            out = model.generate(
+                input_ids=prompt_ids[i : i + n],
+                attention_mask=prompt_mask[i : i + n],
+                generation_config=gen_cfg,
+            )
+        chunks.append(out[:, prompt_ids.shape[1] :])
     T = max(c.shape[1] for c in chunks)
     padded = [F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
     completion_ids = torch.cat(padded)  # [B, T]
     mask = completion_mask(completion_ids, eos_ids)  # [B, T]
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
     texts = decode_completions(tokenizer, completion_ids, mask)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                mask=mask, truncated=truncated, texts=texts,
-                prompts=[p for p in prompts for _ in range(G)])
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        mask=mask,
+        truncated=truncated,
+        texts=texts,
+        prompts=[p for p in prompts for _ in range(G)],
+    )
 
 
 def model_inputs(batch, rows):
@@ -740,16 +820,29 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
-    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+        hidden = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature,
-                  with_entropy, extra)
+        args_i = (
+            h[i : i + chunk],
+            lm_head,
+            ids[valid][i : i + chunk],
+            args.temperature,
+            with_entropy,
+            extra,
+        )
         with autocast(args):
-            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+            outs.append(
+                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                if torch.is_grad_enabled()
+                else _logp_entropy_chunk(*args_i)
+            )
 
     def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
         if outs and outs[0][k] is None:
@@ -758,6 +851,7 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
         full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
         zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
         return zeros.masked_scatter(full, flat)
+
     return scatter(0), scatter(1), scatter(2)
 
 
@@ -775,6 +869,7 @@ def batch_logps(model, batch: dict, args, extra=None):
 
     def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
         return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+
     return joined(0), joined(1), joined(2)
 
 
@@ -784,22 +879,34 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
     """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
-        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
-                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
-                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
-                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        cfg = GenerationConfig(
+            do_sample=sample,
+            temperature=args.temperature if sample else None,
+            top_p=args.top_p if sample else None,
+            top_k=0 if sample else None,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+        )
         correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         chunks = range(0, len(problems), n)
         for i in tqdm(chunks, desc=f"eval ({name})", leave=False, dynamic_ncols=True):
-            chunk = problems[i:i + n]
-            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
+            chunk = problems[i : i + n]
+            enc = tokenizer(
+                [p["prompt"] for p in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
             with autocast(args):
-                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
+                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            grades = [tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
-                      for t, p in zip(texts, chunk)]
+            grades = [
+                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                for t, p in zip(texts, chunk)
+            ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
@@ -816,13 +923,17 @@ def show_samples(step, batch, rewards, k=2):
 def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
     m = batch["mask"].bool()
     zero_std = rewards.view(-1, G).std(1) == 0  # [P]: groups that teach nothing
-    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
-            "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
-            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
-            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
-            "truncated_frac": batch["truncated"].float().mean().item()}
+    return {
+        "reward": rewards.mean().item(),
+        "accuracy": correct.mean().item(),
+        "unparsable_frac": 1 - parsed.mean().item(),
+        "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
+        "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+        "completions": len(m),
+        "completion_len": m.sum(1).float().mean().item(),
+        "completion_len_max": m.sum(1).max().item() if len(m) else 0,
+        "truncated_frac": batch["truncated"].float().mean().item(),
+    }
 
 
 def main(argv=None):

@@ -75,11 +75,19 @@ from tqdm import tqdm
 
 import common
 import harness
-from common import (ROOT, TINY_MODEL_DIR, UserError, arg, first_line, resolve_device,
-                    seed_everything)
+from common import ROOT, TINY_MODEL_DIR, UserError, arg, first_line, resolve_device, seed_everything
 from grpo import completion_mask, decode_completions, eos_token_ids  # the scripts' own helpers
-from tasks import (GENERATED, TEMPLATES, build_prompt, check_model_folder, damaged_weights, grade,
-                   is_tiny, load_problems, resolve_model_name)
+from tasks import (
+    GENERATED,
+    TEMPLATES,
+    build_prompt,
+    check_model_folder,
+    damaged_weights,
+    grade,
+    is_tiny,
+    load_problems,
+    resolve_model_name,
+)
 
 
 # =====================================================================================
@@ -111,45 +119,71 @@ SUBSET_SEED = 0  # --eval-n picks the same problems whatever --seed is, so runs 
 # in its help what it then follows; the parser adds each default once, as "(default: ...)".
 @dataclass
 class Args:
-    model: str = arg("tiny", "'tiny' (the bundled model), a checkpoint folder such as "
-                     "runs/<run>/checkpoint-N, a hub id, or a short Qwen name such as "
-                     "Qwen2.5-Math-1.5B")
-    benchmarks: str | None = arg(None, f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet "
-                                 "file, or a hub dataset id (org/name); unset: tiny for the tiny "
-                                 "model, else math500")
-    split: str = arg("test", "split of a hub dataset id given in --benchmarks (the named "
-                     "benchmarks know their own)")
-    problem_column: str | None = arg(None, "problem column of a file or hub dataset id in "
-                                     "--benchmarks; unset: 'problem'")
-    answer_column: str | None = arg(None, "gold-answer column of a file or hub dataset id in "
-                                    "--benchmarks; unset: 'answer'")
-    eval_n: int | None = arg(None, "problems per benchmark: a fixed random subset of this many, "
-                             "the same whatever --seed; unset: all", aliases=["--limit"])
-    template: str | None = arg(None, f"prompt template, one of {', '.join(TEMPLATES)}; unset: tiny "
-                               "for the tiny model, else qwen_math")
+    model: str = arg(
+        "tiny",
+        "'tiny' (the bundled model), a checkpoint folder such as "
+        "runs/<run>/checkpoint-N, a hub id, or a short Qwen name such as "
+        "Qwen2.5-Math-1.5B",
+    )
+    benchmarks: str | None = arg(
+        None,
+        f"comma-separated list of: {KNOWN}, a .jsonl/.json/.parquet "
+        "file, or a hub dataset id (org/name); unset: tiny for the tiny "
+        "model, else math500",
+    )
+    split: str = arg(
+        "test",
+        "split of a hub dataset id given in --benchmarks (the named benchmarks know their own)",
+    )
+    problem_column: str | None = arg(
+        None, "problem column of a file or hub dataset id in --benchmarks; unset: 'problem'"
+    )
+    answer_column: str | None = arg(
+        None, "gold-answer column of a file or hub dataset id in --benchmarks; unset: 'answer'"
+    )
+    eval_n: int | None = arg(
+        None,
+        "problems per benchmark: a fixed random subset of this many, "
+        "the same whatever --seed; unset: all",
+        aliases=["--limit"],
+    )
+    template: str | None = arg(
+        None,
+        f"prompt template, one of {', '.join(TEMPLATES)}; unset: tiny "
+        "for the tiny model, else qwen_math",
+    )
     n: int = arg(1, "samples per problem (needs --temperature > 0 when > 1)")
     temperature: float = arg(0.0, "0 = greedy decoding; > 0 = sampling")
     top_p: float = arg(1.0, "nucleus sampling threshold (sampling only)")
-    pass_k: str = arg("1,2,4,8,16,32,64,128,256", "k values for pass@k; only those <= --n are "
-                      "reported")
-    answer_extraction: str = arg("boxed", "which answer is graded: boxed = the last \\boxed{} of "
-                                 "the completion; math_verify = math-verify's own extraction of "
-                                 "the final answer from the whole text (for models that answer "
-                                 "'The answer is: 42' or '#### 42')",
-                                 choices=list(common.ANSWER_EXTRACTIONS))
-    max_new_tokens: int | None = arg(None, "generation budget per sample; unset: 48 for the tiny "
-                                     "model, else 3000")
-    gen_batch_size: int = arg(64, "completions per generate() call",
-                              aliases=["--batch-size", "--batch_size"])
+    pass_k: str = arg(
+        "1,2,4,8,16,32,64,128,256", "k values for pass@k; only those <= --n are reported"
+    )
+    answer_extraction: str = arg(
+        "boxed",
+        "which answer is graded: boxed = the last \\boxed{} of "
+        "the completion; math_verify = math-verify's own extraction of "
+        "the final answer from the whole text (for models that answer "
+        "'The answer is: 42' or '#### 42')",
+        choices=list(common.ANSWER_EXTRACTIONS),
+    )
+    max_new_tokens: int | None = arg(
+        None, "generation budget per sample; unset: 48 for the tiny model, else 3000"
+    )
+    gen_batch_size: int = arg(
+        64, "completions per generate() call", aliases=["--batch-size", "--batch_size"]
+    )
     device: str = arg("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = arg("auto", "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32")
     seed: int = arg(0, "seed for sampling (reset before each benchmark)")
     trust_remote_code: bool = arg(False, "allow model code from the hub")
     output_dir: str | None = arg(None, "where results go; unset: runs/eval/<model-name>/")
-    resume: bool = arg(False, "keep samples already in the JSONL of an earlier run with the same "
-                       "decoding tag and generate only the rest; refused if that run used another "
-                       "--model, --template, --max-new-tokens, --temperature, --top-p, --n or "
-                       "--answer-extraction")
+    resume: bool = arg(
+        False,
+        "keep samples already in the JSONL of an earlier run with the same "
+        "decoding tag and generate only the rest; refused if that run used another "
+        "--model, --template, --max-new-tokens, --temperature, --top-p, --n or "
+        "--answer-extraction",
+    )
 
 
 def clean_gold(value, benchmark: str) -> str:
@@ -191,25 +225,37 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
         try:
             ds = datasets.load_dataset(b.hub_id, b.config, split=b.split)
         except Exception as e:  # offline, renamed, gated: one line, not a traceback
-            raise UserError(f"cannot load benchmark {name!r} ({b.hub_id}, split {b.split!r}): "
-                            f"{first_line(e)}") from None
+            raise UserError(
+                f"cannot load benchmark {name!r} ({b.hub_id}, split {b.split!r}): {first_line(e)}"
+            ) from None
         missing = [c for c in (b.problem_column, b.answer_column) if c not in ds.column_names]
         if missing:
-            raise UserError(f"benchmark {name!r} ({b.hub_id}) has no column {missing[0]!r} "
-                            f"(columns: {', '.join(ds.column_names)})")
-        rows = [{"problem": str(p), "answer": clean_gold(a, name)}
-                for p, a in zip(ds[b.problem_column], ds[b.answer_column])]
+            raise UserError(
+                f"benchmark {name!r} ({b.hub_id}) has no column {missing[0]!r} "
+                f"(columns: {', '.join(ds.column_names)})"
+            )
+        rows = [
+            {"problem": str(p), "answer": clean_gold(a, name)}
+            for p, a in zip(ds[b.problem_column], ds[b.answer_column])
+        ]
         rows = [r for r in rows if r["problem"].strip() and r["answer"]]
         if not rows:
-            raise UserError(f"benchmark {name!r} ({b.hub_id}) has no rows with a problem and an "
-                            f"answer")
+            raise UserError(
+                f"benchmark {name!r} ({b.hub_id}) has no rows with a problem and an answer"
+            )
         if args.eval_n is not None and args.eval_n < len(rows):
             rows = random.Random(SUBSET_SEED).sample(rows, args.eval_n)
         return name, f"{b.hub_id} ({b.split})", rows
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".json", ".parquet") or "/" in name:  # a file or a hub id
-        rows = load_problems(name, args.split, args.problem_column, args.answer_column,
-                             limit=args.eval_n, seed=SUBSET_SEED)
+        rows = load_problems(
+            name,
+            args.split,
+            args.problem_column,
+            args.answer_column,
+            limit=args.eval_n,
+            seed=SUBSET_SEED,
+        )
         if path.suffix:
             return file_label(path), str(path.resolve()), rows
         return f"{safe(name.replace('/', '__'))}-{safe(args.split)}", f"{name} ({args.split})", rows
@@ -220,8 +266,14 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
 # Model
 # =====================================================================================
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-              "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+    dtypes = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+    }
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in dtypes:
@@ -238,17 +290,22 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     adapter = Path(path) / "adapter_config.json"  # a LoRA checkpoint: its base, plus its adapters
-    base = (json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file()
-            else path)
+    base = (
+        json.loads(adapter.read_text()).get("base_model_name_or_path")
+        if adapter.is_file()
+        else path
+    )
     for folder in dict.fromkeys([path, base]):  # weights cut short: one line naming the file
         damage = damaged_weights(Path(folder)) if Path(folder).is_dir() else None
         if damage:
             raise UserError(f"cannot load model {path!r}: {damage}")
     try:
-        tok = AutoTokenizer.from_pretrained(path, padding_side="left",
-                                            trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
-                                                     trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            path, padding_side="left", trust_remote_code=trust_remote_code
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     except Exception as e:  # missing folder, unknown hub id, offline, remote code, a bad file
         hint = " (the bundled tiny model is not built yet?)" if Path(path) == TINY_MODEL_DIR else ""
         hint += f" (the base model of its LoRA adapters, {base!r})" if adapter.is_file() else ""
@@ -260,14 +317,19 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
     # sampling, top_k, top_p, a repetition penalty... Keep only its special-token ids, so decoding
     # is exactly what evaluate() sets and the results JSON records.
     shipped = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=shipped.eos_token_id,
-                                               pad_token_id=shipped.pad_token_id,
-                                               bos_token_id=shipped.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=shipped.eos_token_id,
+        pad_token_id=shipped.pad_token_id,
+        bos_token_id=shipped.bos_token_id,
+    )
     if not round_trips(tok):
         # e.g. transformers 5 loads every qwen2 folder with Qwen2Tokenizer (byte-level BPE), which
         # silently drops the newlines and spaces of a char-level WordLevel tokenizer.json
-        print(f"warning: the tokenizer of {path} ({type(tok).__name__}) does not round-trip text; "
-              f"prompts may not be what the model was trained on", file=sys.stderr)
+        print(
+            f"warning: the tokenizer of {path} ({type(tok).__name__}) does not round-trip text; "
+            f"prompts may not be what the model was trained on",
+            file=sys.stderr,
+        )
     return model.to(device).eval(), tok
 
 
@@ -282,20 +344,28 @@ def load_adapters(model, path: str, base: str):
     from safetensors import safe_open
 
     def misfit(why: str) -> UserError:
-        return UserError(f"the LoRA adapters in {path} do not fit the model in {base}, the base "
-                         f"folder they name ({why}): is it still the model they were trained "
-                         f"from?")
+        return UserError(
+            f"the LoRA adapters in {path} do not fit the model in {base}, the base "
+            f"folder they name ({why}): is it still the model they were trained "
+            f"from?"
+        )
 
     try:
         model = PeftModel.from_pretrained(model, path)
     except Exception as e:  # another architecture or other shapes
-        mismatch = re.search(r"size mismatch for (\S+): copying a param with shape (.+?) from "
-                             r"checkpoint, the shape in current model is (.+?)\.?$", str(e), re.M)
+        mismatch = re.search(
+            r"size mismatch for (\S+): copying a param with shape (.+?) from "
+            r"checkpoint, the shape in current model is (.+?)\.?$",
+            str(e),
+            re.M,
+        )
         if mismatch is None:
             raise misfit(first_line(e)) from None
         name, saved, here = (re.sub(r"torch\.Size\((.*)\)", r"\1", x) for x in mismatch.groups())
-        raise misfit(f"{name.removeprefix('base_model.model.')} is {saved} in the adapters, "
-                     f"{here} in the model") from None
+        raise misfit(
+            f"{name.removeprefix('base_model.model.')} is {saved} in the adapters, "
+            f"{here} in the model"
+        ) from None
     weights = Path(path) / "adapter_model.safetensors"
     if weights.is_file():  # the same shapes, but adapters for other layers than the model's
         with safe_open(str(weights), "pt") as f:
@@ -303,11 +373,15 @@ def load_adapters(model, path: str, base: str):
         places = set(get_peft_model_state_dict(model))
         extra, missing = sorted(saved - places), sorted(places - saved)
         if extra:
-            raise misfit(f"{len(extra)} of their weights have no place in it, e.g. "
-                         f"{extra[0].removeprefix('base_model.model.')}")
+            raise misfit(
+                f"{len(extra)} of their weights have no place in it, e.g. "
+                f"{extra[0].removeprefix('base_model.model.')}"
+            )
         if missing:
-            raise misfit(f"{len(missing)} of its adapter weights have none saved, e.g. "
-                         f"{missing[0].removeprefix('base_model.model.')}")
+            raise misfit(
+                f"{len(missing)} of its adapter weights have none saved, e.g. "
+                f"{missing[0].removeprefix('base_model.model.')}"
+            )
     return model.merge_and_unload()
 
 
@@ -327,7 +401,7 @@ def generate(model, tok, prompt_ids: list[list[int]], stop_ids: list[int]):
     decoded with model.generation_config (which evaluate() sets)."""
     enc = tok.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(model.device)
     out = model.generate(**enc, generation_config=model.generation_config)
-    ids = out[:, enc["input_ids"].shape[1]:]  # [b, T]
+    ids = out[:, enc["input_ids"].shape[1] :]  # [b, T]
     # Cut at the first EOS by position: after it come pad ids, which may equal EOS.
     mask = completion_mask(ids, stop_ids)  # [b, T]
     stops = torch.tensor(stop_ids, device=ids.device)
@@ -359,8 +433,9 @@ def compute_metrics(rows: list[dict], n_problems: int, n: int, ks: list[int], gr
     else:
         m[f"avg@{n}"] = acc
         for k in (k for k in ks if k <= n):
-            m[f"pass@{k}"] = sum(pass_at_k(n, correct[i], k)
-                                 for i in range(n_problems)) / n_problems
+            m[f"pass@{k}"] = (
+                sum(pass_at_k(n, correct[i], k) for i in range(n_problems)) / n_problems
+            )
     m["unparsed"] = sum(not r["parsed"] for r in rows)
     m["unparsed_frac"] = m["unparsed"] / len(rows)
     m["truncated_frac"] = sum(r["truncated"] for r in rows) / len(rows)
@@ -370,21 +445,26 @@ def compute_metrics(rows: list[dict], n_problems: int, n: int, ks: list[int], gr
 
 def markdown_table(results: list[dict]) -> str:
     keys = [k for k in results[0]["metrics"] if k.startswith(("greedy_pass@", "avg@", "pass@"))]
-    lines = ["| benchmark | problems | " + " | ".join(keys) + " | unparsed | truncated | tokens |",
-             "|---" * (len(keys) + 5) + "|"]
+    lines = [
+        "| benchmark | problems | " + " | ".join(keys) + " | unparsed | truncated | tokens |",
+        "|---" * (len(keys) + 5) + "|",
+    ]
 
     def row(label, problems, ms):
         cells = [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}" for k in keys]
-        cells += [f"{100 * sum(m[k] for m in ms) / len(ms):.1f}%"
-                  for k in ("unparsed_frac", "truncated_frac")]
+        cells += [
+            f"{100 * sum(m[k] for m in ms) / len(ms):.1f}%"
+            for k in ("unparsed_frac", "truncated_frac")
+        ]
         cells.append(f"{sum(m['mean_completion_tokens'] for m in ms) / len(ms):.0f}")
         return f"| {label} | {problems} | " + " | ".join(cells) + " |"
 
     for r in results:
         lines.append(row(r["benchmark"], r["n_problems"], [r["metrics"]]))
     if len(results) > 1:  # unweighted mean over benchmarks, as papers report it
-        lines.append(row("mean", sum(r["n_problems"] for r in results),
-                         [r["metrics"] for r in results]))
+        lines.append(
+            row("mean", sum(r["n_problems"] for r in results), [r["metrics"] for r in results])
+        )
     return "\n".join(lines)
 
 
@@ -402,9 +482,14 @@ def read_done(path: Path, problems: list[dict], n: int) -> list[dict]:
         except json.JSONDecodeError:  # the last line of a run that was killed mid-write
             continue
         i, s = r.get("idx"), r.get("sample")
-        if (isinstance(i, int) and 0 <= i < len(problems) and isinstance(s, int) and 0 <= s < n
-                and problems[i]["problem"] == r.get("problem")
-                and problems[i]["answer"] == r.get("gold")):
+        if (
+            isinstance(i, int)
+            and 0 <= i < len(problems)
+            and isinstance(s, int)
+            and 0 <= s < n
+            and problems[i]["problem"] == r.get("problem")
+            and problems[i]["answer"] == r.get("gold")
+        ):
             keep[(i, s)] = r
     return list(keep.values())
 
@@ -413,12 +498,16 @@ def resume_settings(result: dict) -> dict:
     """The settings that rows kept by --resume must share with this run, keyed by the flag that
     sets them; `result` is a results JSON or evaluate()'s settings (same layout)."""
     dec = result.get("decoding") or {}
-    keys = {"--model": model_id(str(result.get("model"))), "--template": dec.get("template"),
-            "--max-new-tokens": dec.get("max_new_tokens"), "--n": dec.get("n"),
-            "--temperature": dec.get("temperature"),
-            # results from before --answer-extraction existed were all graded on the last \boxed{}
-            "--answer-extraction": result.get("answer_extraction", "boxed"),
-            "grader": result.get("grader")}
+    keys = {
+        "--model": model_id(str(result.get("model"))),
+        "--template": dec.get("template"),
+        "--max-new-tokens": dec.get("max_new_tokens"),
+        "--n": dec.get("n"),
+        "--temperature": dec.get("temperature"),
+        # results from before --answer-extraction existed were all graded on the last \boxed{}
+        "--answer-extraction": result.get("answer_extraction", "boxed"),
+        "grader": result.get("grader"),
+    }
     if not dec.get("greedy", True):  # top_p does nothing in greedy decoding
         keys["--top-p"] = dec.get("top_p")
     return keys
@@ -435,29 +524,55 @@ def check_resume(stem: Path, settings: dict) -> None:
     try:
         old = resume_settings(json.loads(result.read_text()))
     except (OSError, ValueError, AttributeError):  # missing, half written, not a JSON object
-        raise UserError(f"--resume: {samples} has samples but {result}, which records the settings "
-                        f"they were made with, is missing or unreadable; rerun without --resume "
-                        f"to start over") from None
+        raise UserError(
+            f"--resume: {samples} has samples but {result}, which records the settings "
+            f"they were made with, is missing or unreadable; rerun without --resume "
+            f"to start over"
+        ) from None
     new = resume_settings(settings)
-    diff = [f"{k} {old.get(k)} (now {new.get(k)})" for k in dict.fromkeys([*old, *new])
-            if old.get(k) != new.get(k)]
+    diff = [
+        f"{k} {old.get(k)} (now {new.get(k)})"
+        for k in dict.fromkeys([*old, *new])
+        if old.get(k) != new.get(k)
+    ]
     if diff:
-        raise UserError(f"--resume: {samples} was made with {', '.join(diff)}; rerun with those "
-                        f"settings, or without --resume to start over")
+        raise UserError(
+            f"--resume: {samples} was made with {', '.join(diff)}; rerun with those "
+            f"settings, or without --resume to start over"
+        )
 
 
-def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: list[list[int]],
-                  model, tok, args: Args, settings: dict, stem: Path) -> dict:
+def run_benchmark(
+    label: str,
+    source: str,
+    problems: list[dict],
+    prompt_ids: list[list[int]],
+    model,
+    tok,
+    args: Args,
+    settings: dict,
+    stem: Path,
+) -> dict:
     samples_path, result_path = Path(f"{stem}.jsonl"), Path(f"{stem}.json")
     rows = read_done(samples_path, problems, args.n) if args.resume else []
     decoding = settings["decoding"]
     result = {
-        "model": settings["model"], "model_arg": args.model, "benchmark": label, "source": source,
-        "complete": False, "n_problems": len(problems), "n_samples_per_problem": args.n,
-        "n_samples": len(rows), "metrics": None, "decoding": decoding,
-        "answer_extraction": settings["answer_extraction"], "grader": settings["grader"],
+        "model": settings["model"],
+        "model_arg": args.model,
+        "benchmark": label,
+        "source": source,
+        "complete": False,
+        "n_problems": len(problems),
+        "n_samples_per_problem": args.n,
+        "n_samples": len(rows),
+        "metrics": None,
+        "decoding": decoding,
+        "answer_extraction": settings["answer_extraction"],
+        "grader": settings["grader"],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "limit": args.eval_n, "elapsed_s": None,
+        "git_commit": git_commit(),
+        "limit": args.eval_n,
+        "elapsed_s": None,
         "samples_file": str(samples_path),
     }
     # The settings reach the disk before any sample does, so that a --resume after a crash can
@@ -479,36 +594,52 @@ def run_benchmark(label: str, source: str, problems: list[dict], prompt_ids: lis
     bar = tqdm(total=len(todo), desc=label, dynamic_ncols=True)
     with open(samples_path, "a") as f:
         for start in range(0, len(todo), args.gen_batch_size):
-            batch = todo[start:start + args.gen_batch_size]
+            batch = todo[start : start + args.gen_batch_size]
             try:
-                outs = generate(model, tok, [prompt_ids[i] for i, _ in batch],
-                                decoding["stop_token_ids"])
+                outs = generate(
+                    model, tok, [prompt_ids[i] for i, _ in batch], decoding["stop_token_ids"]
+                )
             except torch.OutOfMemoryError:
                 bar.close()
-                raise UserError(f"out of memory generating {label} with --gen-batch-size "
-                                f"{args.gen_batch_size} and --max-new-tokens "
-                                f"{decoding['max_new_tokens']}; lower --gen-batch-size and add "
-                                f"--resume to keep the {len(rows)} samples done") from None
+                raise UserError(
+                    f"out of memory generating {label} with --gen-batch-size "
+                    f"{args.gen_batch_size} and --max-new-tokens "
+                    f"{decoding['max_new_tokens']}; lower --gen-batch-size and add "
+                    f"--resume to keep the {len(rows)} samples done"
+                ) from None
             for (i, s), (text, n_tok, truncated) in zip(batch, outs):
                 g = grade(text, problems[i]["answer"], extraction=args.answer_extraction)
-                row = {"idx": i, "sample": s, "problem": problems[i]["problem"],
-                       "gold": problems[i]["answer"], "completion": text, "pred": g.pred,
-                       "parsed": g.parsed, "correct": g.correct, "tokens": n_tok,
-                       "truncated": truncated}
+                row = {
+                    "idx": i,
+                    "sample": s,
+                    "problem": problems[i]["problem"],
+                    "gold": problems[i]["answer"],
+                    "completion": text,
+                    "pred": g.pred,
+                    "parsed": g.parsed,
+                    "correct": g.correct,
+                    "tokens": n_tok,
+                    "truncated": truncated,
+                }
                 rows.append(row)
                 n_tokens, n_correct = n_tokens + n_tok, n_correct + g.correct
             with harness.writing(samples_path.name, samples_path.parent):
-                f.writelines(json.dumps(r) + "\n" for r in rows[-len(batch):])
+                f.writelines(json.dumps(r) + "\n" for r in rows[-len(batch) :])
                 f.flush()  # a crash loses at most one batch; --resume picks up from here
             bar.update(len(batch))
-            bar.set_postfix(acc=f"{n_correct / (start + len(batch)):.3f}",
-                            tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
+            bar.set_postfix(
+                acc=f"{n_correct / (start + len(batch)):.3f}",
+                tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}",
+            )
     bar.close()
 
-    result.update(complete=True, n_samples=len(rows), elapsed_s=round(time.time() - t0, 2),
-                  metrics=compute_metrics(rows, len(problems), args.n, settings["ks"],
-                                          decoding["greedy"]),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    result.update(
+        complete=True,
+        n_samples=len(rows),
+        elapsed_s=round(time.time() - t0, 2),
+        metrics=compute_metrics(rows, len(problems), args.n, settings["ks"], decoding["greedy"]),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
     with harness.writing(result_path.name, result_path.parent):
         result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -567,8 +698,11 @@ def check_writable(out_dir: Path) -> None:
 def evaluate(args: Args) -> list[dict]:
     model_path = resolve_model_name(args.model)
     tiny = is_tiny(model_path)
-    names = [b.strip() for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",")
-             if b.strip()]
+    names = [
+        b.strip()
+        for b in (args.benchmarks or ("tiny" if tiny else "math500")).split(",")
+        if b.strip()
+    ]
     template = args.template or ("tiny" if tiny else "qwen_math")
     max_new = args.max_new_tokens or (48 if tiny else 3000)
     greedy = args.temperature == 0
@@ -581,33 +715,51 @@ def evaluate(args: Args) -> list[dict]:
     common.check_finite(args)
     counts = (args.n, args.gen_batch_size, max_new, *ks, 1 if args.eval_n is None else args.eval_n)
     for message, ok in {
-        f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}":
-            template in TEMPLATES,
+        f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}": template
+        in TEMPLATES,
         f"--benchmarks is empty; known: {KNOWN}": bool(names),
-        "--n, --gen-batch-size, --max-new-tokens, --eval-n and --pass-k values must be >= 1":
-            min(counts) >= 1,
+        "--n, --gen-batch-size, --max-new-tokens, --eval-n and --pass-k values must be >= 1": min(
+            counts
+        )
+        >= 1,
         f"--temperature must be >= 0, not {args.temperature}": args.temperature >= 0,
         f"--top-p must be in (0, 1], not {args.top_p}": 0 < args.top_p <= 1,
-        "--n > 1 with greedy decoding gives n identical samples; set --temperature > 0":
-            not (greedy and args.n > 1),
+        "--n > 1 with greedy decoding gives n identical samples; set --temperature > 0": not (
+            greedy and args.n > 1
+        ),
         f"--answer-extraction must be one of {', '.join(common.ANSWER_EXTRACTIONS)}, not "
         f"{args.answer_extraction!r}": args.answer_extraction in common.ANSWER_EXTRACTIONS,
     }.items():
         if not ok:
             raise UserError(message)
     check_model_folder(model_path)  # a config and tokenizer files, before any benchmark loads
-    out_dir = (Path(args.output_dir) if args.output_dir
-               else Path("runs/eval") / model_label(args.model, model_path))
+    out_dir = (
+        Path(args.output_dir)
+        if args.output_dir
+        else Path("runs/eval") / model_label(args.model, model_path)
+    )
     check_writable(out_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    settings = {"model": model_id(model_path), "ks": ks,
-                "answer_extraction": args.answer_extraction,
-                "grader": f"math-verify {version('math-verify')}", "decoding": {
-                    "greedy": greedy, "n": args.n, "temperature": args.temperature,
-                    "top_p": args.top_p, "top_k": None if greedy else 0, "max_new_tokens": max_new,
-                    "template": template, "seed": args.seed, "batch_size": args.gen_batch_size,
-                    "dtype": str(dtype).removeprefix("torch."), "device": str(device)}}
+    settings = {
+        "model": model_id(model_path),
+        "ks": ks,
+        "answer_extraction": args.answer_extraction,
+        "grader": f"math-verify {version('math-verify')}",
+        "decoding": {
+            "greedy": greedy,
+            "n": args.n,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": None if greedy else 0,
+            "max_new_tokens": max_new,
+            "template": template,
+            "seed": args.seed,
+            "batch_size": args.gen_batch_size,
+            "dtype": str(dtype).removeprefix("torch."),
+            "device": str(device),
+        },
+    }
 
     # Data before the model: a typo in a benchmark name should not cost a model load.
     benches = [load_benchmark(name, args) for name in names]
@@ -640,37 +792,53 @@ def evaluate(args: Args) -> list[dict]:
         longest = max(len(x) for x in ids)
         if max_pos is not None and longest + max_new > max_pos:
             over = sum(len(x) + max_new > max_pos for x in ids)
-            fix = (f"use --max-new-tokens {max_pos - longest} or less" if max_pos > longest
-                   else "the prompt alone is too long for this model")
-            raise UserError(f"{over} prompt(s) of {label} do not fit the context: {longest} prompt "
-                            f"tokens + --max-new-tokens {max_new} > max_position_embeddings "
-                            f"{max_pos}; {fix}")
+            fix = (
+                f"use --max-new-tokens {max_pos - longest} or less"
+                if max_pos > longest
+                else "the prompt alone is too long for this model"
+            )
+            raise UserError(
+                f"{over} prompt(s) of {label} do not fit the context: {longest} prompt "
+                f"tokens + --max-new-tokens {max_new} > max_position_embeddings "
+                f"{max_pos}; {fix}"
+            )
         all_ids.append(ids)
 
     from transformers import GenerationConfig
 
     # Every decoding setting is given here and model.generation_config (neutral since load_model)
     # is replaced by it, so generate() has nothing of the model's own defaults left to merge in.
-    gen_config = GenerationConfig(max_new_tokens=max_new, do_sample=not greedy,
-                                  temperature=None if greedy else args.temperature,
-                                  top_p=None if greedy else args.top_p,
-                                  top_k=None if greedy else 0,
-                                  eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new,
+        do_sample=not greedy,
+        temperature=None if greedy else args.temperature,
+        top_p=None if greedy else args.top_p,
+        top_k=None if greedy else 0,
+        eos_token_id=stop_ids,
+        pad_token_id=tok.pad_token_id,
+    )
     model.generation_config = gen_config  # generate() decodes with this
     settings["decoding"].update(stop_token_ids=stop_ids, tokenizer=type(tok).__name__)
 
-    print(f"model {model_path} on {device} ({settings['decoding']['dtype']}), template {template}, "
-          f"{tag}, max {max_new} new tokens, answer extraction {args.answer_extraction} "
-          f"-> {out_dir}")
-    results = [run_benchmark(label, source, problems, ids, model, tok, args, settings,
-                             out_dir / f"{label}.{tag}")
-               for (label, source, problems), ids in zip(benches, all_ids)]
+    print(
+        f"model {model_path} on {device} ({settings['decoding']['dtype']}), template {template}, "
+        f"{tag}, max {max_new} new tokens, answer extraction {args.answer_extraction} "
+        f"-> {out_dir}"
+    )
+    results = [
+        run_benchmark(
+            label, source, problems, ids, model, tok, args, settings, out_dir / f"{label}.{tag}"
+        )
+        for (label, source, problems), ids in zip(benches, all_ids)
+    ]
 
     table = markdown_table(results)
     with harness.writing(f"results.{tag}.md", out_dir):
         (out_dir / f"results.{tag}.md").write_text(table + "\n")
-    print(f"\n{model_path} ({tag}, answer extraction {args.answer_extraction}, grader "
-          f"{settings['grader']})\n\n{table}")
+    print(
+        f"\n{model_path} ({tag}, answer extraction {args.answer_extraction}, grader "
+        f"{settings['grader']})\n\n{table}"
+    )
     return results
 
 

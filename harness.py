@@ -30,8 +30,19 @@ import torch
 import tasks
 from tqdm import tqdm
 
-from common import (RESUMABLE, UserError, changed_flags, first_line, reduce_stats,
-                    resolve_device, rng_state, seed_everything, set_rng_state, token_html, warn)
+from common import (
+    RESUMABLE,
+    UserError,
+    changed_flags,
+    first_line,
+    reduce_stats,
+    resolve_device,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    token_html,
+    warn,
+)
 
 # Callables (run, step, metrics) called after every step is logged and before it is saved;
 # tools/bench.py times the scripts' own steps through it. Empty in a normal run.
@@ -39,8 +50,14 @@ STEP_HOOKS: list = []
 # Callables (run, where, tensors) -> dict | None that Run.observe calls within a step ("rollout",
 # "update"); their figures join the step's metrics. tools/diagnostics.py's; empty in a normal run.
 OBSERVERS: list = []
-BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent",
-               "completion_len": "len", "tokens_per_s": "tok/s"}
+BAR_FIGURES = {
+    "reward": "reward",
+    "accuracy": "acc",
+    "kl": "kl",
+    "entropy": "ent",
+    "completion_len": "len",
+    "tokens_per_s": "tok/s",
+}
 STALL_STEPS = 5  # steps in a row with (almost) no learning signal before a warning
 _ACTIVE_RUNS: list = []
 
@@ -50,6 +67,7 @@ _ACTIVE_RUNS: list = []
 # =====================================================================================
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
+
 
 @contextlib.contextmanager
 def writing(what: str, where: Path, need: int = 0, kept: str = ""):
@@ -106,8 +124,11 @@ class RunLogger:
                 self.tb = None
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, "time": round(time.time(), 3),
-               **{k: _json_value(v) for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            "time": round(time.time(), 3),
+            **{k: _json_value(v) for k, v in metrics.items()},
+        }
         with writing(f"step {step} to metrics.jsonl", self.run_dir):
             self.file.write(json.dumps(row, allow_nan=False) + "\n")
             self.file.flush()
@@ -164,8 +185,15 @@ def _bytes(obj) -> int:
     return 0
 
 
-def save_checkpoint(run_dir: Path, step: int, models: dict, tokenizer, trainer_state: dict,
-                    optimizer_state: dict | None = None, keep: int = 2) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    models: dict,
+    tokenizer,
+    trainer_state: dict,
+    optimizer_state: dict | None = None,
+    keep: int = 2,
+) -> Path:
     """runs/<name>/checkpoint-<step>/: the policy as save_pretrained (safetensors, loadable by
     from_pretrained and eval.py) with its tokenizer; other models (a critic) in subfolders named
     by their key in `models` ("" is the folder itself); trainer_state.pt (step, RNG, sampler,
@@ -177,8 +205,12 @@ def save_checkpoint(run_dir: Path, step: int, models: dict, tokenizer, trainer_s
     shutil.rmtree(tmp, ignore_errors=True)
     need = sum(_bytes(m) for m in models.values()) + _bytes(optimizer_state) + (1 << 20)
     try:
-        with writing(f"checkpoint-{step}", run_dir, need,
-                     kept="; the previous checkpoint and 'latest' are kept"):
+        with writing(
+            f"checkpoint-{step}",
+            run_dir,
+            need,
+            kept="; the previous checkpoint and 'latest' are kept",
+        ):
             tmp.mkdir(parents=True)
             for name, model in models.items():
                 model.save_pretrained(tmp / name, safe_serialization=True)
@@ -242,8 +274,10 @@ def find_checkpoint(path: str | Path) -> Path:
             target = max(whole, key=_step_of) if whole else target
         path = target
     if not (path / "trainer_state.pt").is_file():
-        raise UserError(f"no checkpoint at {str(path)!r} (expected a run folder with a 'latest' "
-                        f"file, or a checkpoint-N folder with trainer_state.pt)")
+        raise UserError(
+            f"no checkpoint at {str(path)!r} (expected a run folder with a 'latest' "
+            f"file, or a checkpoint-N folder with trainer_state.pt)"
+        )
     return path
 
 
@@ -251,8 +285,10 @@ def load_trainer_state(ckpt: Path, name: str = "trainer_state.pt") -> dict:
     try:
         return torch.load(Path(ckpt) / name, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UserError(f"checkpoint {str(ckpt)!r} is unreadable ({type(e).__name__}: "
-                        f"{first_line(e) if str(e) else 'corrupt file'})") from None
+        raise UserError(
+            f"checkpoint {str(ckpt)!r} is unreadable ({type(e).__name__}: "
+            f"{first_line(e) if str(e) else 'corrupt file'})"
+        ) from None
 
 
 # =====================================================================================
@@ -273,12 +309,16 @@ def lock_run_folder(run_dir: Path):
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise UserError(f"run folder {str(run_dir)!r} is in use by {holder}; wait for it to end or "
-                        f"stop it, or give another --run-name") from None
+        raise UserError(
+            f"run folder {str(run_dir)!r} is in use by {holder}; wait for it to end or "
+            f"stop it, or give another --run-name"
+        ) from None
     f.seek(0)
     f.truncate()
-    f.write(f"process {os.getpid()} on {socket.gethostname()} (since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+    f.write(
+        f"process {os.getpid()} on {socket.gethostname()} (since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n"
+    )
     f.flush()
     return f
 
@@ -294,8 +334,11 @@ def started(run_dir: Path) -> bool:
     """Has a run already logged or saved something in this folder? (A start that failed before its
     first step leaves only args.json, and may be retried in place.)"""
     metrics = run_dir / "metrics.jsonl"
-    return ((metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "latest").exists()
-            or any(run_dir.glob("checkpoint-*")))
+    return (
+        (metrics.is_file() and metrics.stat().st_size > 0)
+        or (run_dir / "latest").exists()
+        or any(run_dir.glob("checkpoint-*"))
+    )
 
 
 def whole_checkpoints(run_dir: Path) -> list[Path]:
@@ -308,8 +351,11 @@ def unsaved(path: Path) -> bool:
     """A run folder whose run stopped before its first checkpoint (killed, or a crash): its
     arguments are saved (args.json) but no checkpoint is. --resume starts it again from step 0."""
     path = Path(path)
-    return ((path / "args.json").is_file() and not (path / "latest").exists()
-            and not whole_checkpoints(path))
+    return (
+        (path / "args.json").is_file()
+        and not (path / "latest").exists()
+        and not whole_checkpoints(path)
+    )
 
 
 # =====================================================================================
@@ -358,14 +404,17 @@ class Run:
                 saved = type(args)(**saved)
             except TypeError:
                 what = "run folder" if restart else "checkpoint"
-                raise UserError(f"{what} {str(where)!r} was not written by {algo}.py (its "
-                                f"arguments differ)") from None
+                raise UserError(
+                    f"{what} {str(where)!r} was not written by {algo}.py (its arguments differ)"
+                ) from None
             changed = changed_flags(args, saved, type(args)())
             if changed:
-                raise UserError(f"--resume keeps the run's arguments, but {'; '.join(changed)}: "
-                                f"only "
-                                f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[:-1])} "
-                                f"may change; start a new run to change the others")
+                raise UserError(
+                    f"--resume keeps the run's arguments, but {'; '.join(changed)}: "
+                    f"only "
+                    f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[:-1])} "
+                    f"may change; start a new run to change the others"
+                )
             for k in RESUMABLE:
                 if getattr(args, k) != getattr(type(args)(), k):
                     setattr(saved, k, getattr(args, k))
@@ -375,27 +424,36 @@ class Run:
         self.args = args = resolve(args)
         self.device = resolve_device(args.device)
         if self.state is not None and args.steps <= self.state["step"]:
-            print(f"nothing to train: {self.ckpt} is at step {self.state['step']} already, and "
-                  f"--steps is {args.steps}; give a larger --steps to train further")
+            print(
+                f"nothing to train: {self.ckpt} is at step {self.state['step']} already, and "
+                f"--steps is {args.steps}; give a larger --steps to train further"
+            )
             raise SystemExit(0)
         if self.ckpt is None and not restart:
             self.dir = Path(args.output_dir) / args.run_name
-            with writing("the run folder", self.dir.parent
-                         if self.dir.parent.exists() else Path.cwd()):
+            with writing(
+                "the run folder", self.dir.parent if self.dir.parent.exists() else Path.cwd()
+            ):
                 self.dir.mkdir(parents=True, exist_ok=True)
             self.lock = lock_run_folder(self.dir)
             if started(self.dir) and unsaved(self.dir):
-                raise UserError(f"run folder {str(self.dir)!r} already exists, but its run stopped "
-                                f"before its first checkpoint: start it again from step 0, with "
-                                f"its saved arguments, with --resume {self.dir}; or pick another "
-                                f"--run-name")
+                raise UserError(
+                    f"run folder {str(self.dir)!r} already exists, but its run stopped "
+                    f"before its first checkpoint: start it again from step 0, with "
+                    f"its saved arguments, with --resume {self.dir}; or pick another "
+                    f"--run-name"
+                )
             if started(self.dir):
-                raise UserError(f"run folder {str(self.dir)!r} already exists: continue it with "
-                                f"--resume {self.dir}, or pick another --run-name")
+                raise UserError(
+                    f"run folder {str(self.dir)!r} already exists: continue it with "
+                    f"--resume {self.dir}, or pick another --run-name"
+                )
             write_text(self.dir / "args.json", json.dumps(dataclasses.asdict(args), indent=2))
         elif restart:
-            print(f"{self.dir} has no checkpoint (its run stopped before the first): starting it "
-                  f"again from step 0 with its saved arguments")
+            print(
+                f"{self.dir} has no checkpoint (its run stopped before the first): starting it "
+                f"again from step 0 with its saved arguments"
+            )
             self._cut_metrics(-1)  # the steps logged before the stop are run again
             write_text(self.dir / "args.json", json.dumps(dataclasses.asdict(args), indent=2))
         else:
@@ -416,10 +474,14 @@ class Run:
             return
         step = _step_of(self.ckpt)
         earlier = [p for p in whole_checkpoints(self.ckpt.parent) if _step_of(p) < step]
-        intact = next((p for p in earlier if tasks.damaged_weights(p, recursive=True) is None),
-                      None)
-        then = (f"the previous checkpoint, {intact}, is intact: continue from it with --resume "
-                f"{intact}" if intact else "no earlier checkpoint of this run is intact")
+        intact = next(
+            (p for p in earlier if tasks.damaged_weights(p, recursive=True) is None), None
+        )
+        then = (
+            f"the previous checkpoint, {intact}, is intact: continue from it with --resume {intact}"
+            if intact
+            else "no earlier checkpoint of this run is intact"
+        )
         raise UserError(f"cannot resume from {self.ckpt}: {damage}; {then}")
 
     def weights(self, name: str = "", default: str | None = None) -> str:
@@ -441,8 +503,10 @@ class Run:
             if "optimizer" not in k:
                 obj.load_state_dict(self.state[k])
             elif opt_state is None:
-                warn(f"{self.ckpt.name} keeps no optimizer state (only the newest checkpoint "
-                     f"does): AdamW moments start from zero")
+                warn(
+                    f"{self.ckpt.name} keeps no optimizer state (only the newest checkpoint "
+                    f"does): AdamW moments start from zero"
+                )
             else:
                 obj.load_state_dict(opt_state[k])
         set_rng_state(self.state["rng"])
@@ -453,8 +517,11 @@ class Run:
         """Rows logged after the checkpoint (a crash between saves) would be logged again."""
         path = self.dir / "metrics.jsonl"
         if path.is_file():
-            keep = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line)["step"] <= step]
+            keep = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step
+            ]
             write_text(path, "".join(line + "\n" for line in keep))
 
     # --- the loop ---------------------------------------------------------------------
@@ -466,15 +533,22 @@ class Run:
         tqdm.write(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
 
     def steps(self, start: int):
-        self.bar = tqdm(range(start + 1, self.args.steps + 1), initial=start, total=self.args.steps,
-                        desc=self.algo, dynamic_ncols=True)
+        self.bar = tqdm(
+            range(start + 1, self.args.steps + 1),
+            initial=start,
+            total=self.args.steps,
+            desc=self.algo,
+            dynamic_ncols=True,
+        )
         return self.bar
 
     def log(self, step: int, metrics: dict) -> None:
         self.logger.log(step, metrics)
         if "eval/greedy_acc" in metrics:
-            tqdm.write(f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
-                 f"sampled acc {metrics['eval/sampled_acc']:.3f}")
+            tqdm.write(
+                f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
+                f"sampled acc {metrics['eval/sampled_acc']:.3f}"
+            )
 
     def observe(self, where: str, **tensors) -> None:
         """Hand a step's tensors to the OBSERVERS (none in a normal run), without gradients; their
@@ -496,16 +570,19 @@ class Run:
         self.last_metrics = metrics
         if self.bar is not None:
             shown = {s: metrics[k] for k, s in BAR_FIGURES.items() if k in metrics}
-            self.bar.set_postfix({s: f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-                                  for s, v in shown.items()})
+            self.bar.set_postfix(
+                {s: f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}" for s, v in shown.items()}
+            )
         self._check_signal(metrics)
         for hook in STEP_HOOKS:
             hook(self, step, metrics)
         if step % self.args.save_every == 0 or step == self.args.steps or self.stop_signal:
             path = self.save(step)
             if self.stop_signal:
-                tqdm.write(f"stopped: saved {path}; continue with: python {self.algo}.py --resume "
-                     f"{self.dir}")
+                tqdm.write(
+                    f"stopped: saved {path}; continue with: python {self.algo}.py --resume "
+                    f"{self.dir}"
+                )
                 raise SystemExit(130 if self.stop_signal == signal.SIGINT else 143)
 
     def _check_signal(self, m: dict) -> None:
@@ -513,39 +590,62 @@ class Run:
         silent = m.get("unparsable_frac", 0) >= 0.9 or m.get("zero_std_frac", 0) >= 0.9
         self._stalled = self._stalled + 1 if silent else 0
         if self._stalled == STALL_STEPS:
-            warn(f"{STALL_STEPS} steps in a row with almost no learning signal ("
-                 f"{m.get('unparsable_frac', 0):.0%} of completions had no parsable answer, "
-                 f"{m.get('zero_std_frac', 0):.0%} of groups had equal rewards, "
-                 f"{m.get('truncated_frac', 0):.0%} were cut off). Likely: the answer is not in "
-                 f"\\boxed{{}} (check --template, or --answer-extraction math_verify), completions "
-                 f"are cut off (raise --max-new-tokens), or the task is too hard or too easy")
+            warn(
+                f"{STALL_STEPS} steps in a row with almost no learning signal ("
+                f"{m.get('unparsable_frac', 0):.0%} of completions had no parsable answer, "
+                f"{m.get('zero_std_frac', 0):.0%} of groups had equal rewards, "
+                f"{m.get('truncated_frac', 0):.0%} were cut off). Likely: the answer is not in "
+                f"\\boxed{{}} (check --template, or --answer-extraction math_verify), completions "
+                f"are cut off (raise --max-new-tokens), or the task is too hard or too easy"
+            )
 
     def save(self, step: int) -> Path:
         for name, model in self.models.items():
             if not all(torch.isfinite(p).all() for p in model.parameters()):
-                raise UserError(f"the weights of {name or 'the policy'} are not finite at step "
-                                f"{step}; not saved (the last good checkpoint is kept in "
-                                f"{self.dir})")
+                raise UserError(
+                    f"the weights of {name or 'the policy'} are not finite at step "
+                    f"{step}; not saved (the last good checkpoint is kept in "
+                    f"{self.dir})"
+                )
         small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
         big = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" in k}
-        trainer_state = {"step": step, "rng": rng_state(), "args": dataclasses.asdict(self.args),
-                         **small}
-        return save_checkpoint(self.dir, step, self.models, self.tokenizer, trainer_state, big,
-                               self.args.keep_checkpoints)
+        trainer_state = {
+            "step": step,
+            "rng": rng_state(),
+            "args": dataclasses.asdict(self.args),
+            **small,
+        }
+        return save_checkpoint(
+            self.dir,
+            step,
+            self.models,
+            self.tokenizer,
+            trainer_state,
+            big,
+            self.args.keep_checkpoints,
+        )
 
-    def write_samples(self, step: int, tokenizer, batch: dict, rewards, advantages, per_token: dict,
-                      k: int = 4) -> Path:
+    def write_samples(
+        self, step: int, tokenizer, batch: dict, rewards, advantages, per_token: dict, k: int = 4
+    ) -> Path:
         """runs/<run>/samples/step-<N>.html: k completions, each token coloured by one of the
         algorithm's per-token quantities (a menu switches between them), every value on hover."""
         rows = []
         for b in range(min(k, len(batch["texts"]))):
             n, ids = int(batch["mask"][b].sum()), batch["completion_ids"][b].tolist()
             header = f"reward {float(rewards[b]):+.3f}" + (
-                f"   advantage {float(advantages[b]):+.3f}" if advantages.dim() == 1 else "")
-            rows.append({"header": header, "prompt": batch["prompts"][b],
-                         "tokens": [tokenizer.decode([i]) for i in ids[:n]],
-                         "values": {q: [float(x) for x in v[b, :n].tolist()]
-                                    for q, v in per_token.items()}})
+                f"   advantage {float(advantages[b]):+.3f}" if advantages.dim() == 1 else ""
+            )
+            rows.append(
+                {
+                    "header": header,
+                    "prompt": batch["prompts"][b],
+                    "tokens": [tokenizer.decode([i]) for i in ids[:n]],
+                    "values": {
+                        q: [float(x) for x in v[b, :n].tolist()] for q, v in per_token.items()
+                    },
+                }
+            )
         path = self.dir / "samples" / f"step-{step}.html"
         with writing(path.name, path.parent.parent):
             path.parent.mkdir(exist_ok=True)
@@ -561,15 +661,18 @@ class Run:
             summary["first_eval"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
             summary["last_eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
         if self.last_metrics:
-            summary["last_step"] = {k: _json_value(v) for k, v in self.last_metrics.items()
-                                    if isinstance(v, float)}
+            summary["last_step"] = {
+                k: _json_value(v) for k, v in self.last_metrics.items() if isinstance(v, float)
+            }
         write_text(self.dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
         print(f"\ndone: {self.args.steps} steps, run folder {self.dir}")
         if evals:
             f, last = evals[0], evals[-1]
-            print(f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> "
-                  f"{last['eval/greedy_acc']:.3f}   sampled {f['eval/sampled_acc']:.3f} -> "
-                  f"{last['eval/sampled_acc']:.3f}")
+            print(
+                f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> "
+                f"{last['eval/greedy_acc']:.3f}   sampled {f['eval/sampled_acc']:.3f} -> "
+                f"{last['eval/sampled_acc']:.3f}"
+            )
         return summary
 
     def close(self) -> None:

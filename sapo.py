@@ -41,8 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
-                          AutoTokenizer, GenerationConfig)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 import common
 import harness
@@ -58,55 +63,77 @@ ALGO = "sapo"
 @dataclass
 class Args(common.RunArgs):
     clip_low: float = arg(0.2, "eps_low: the segment ratio is clipped below at 1 - eps_low")
-    clip_high: float = arg(0.28, "eps_high: the segment ratio is clipped above at 1 + eps_high "
-                           "(official code; the paper writes one eps)")
-    kl_coef: float = arg(0.001, "coefficient of the k1 KL penalty in the segment rewards; 0 loads "
-                         "no reference model")
-    segment_frac: float = arg(0.3, "k: this fraction of each completion's tokens, those of highest "
-                              "entropy, end segments")
+    clip_high: float = arg(
+        0.28,
+        "eps_high: the segment ratio is clipped above at 1 + eps_high "
+        "(official code; the paper writes one eps)",
+    )
+    kl_coef: float = arg(
+        0.001, "coefficient of the k1 KL penalty in the segment rewards; 0 loads no reference model"
+    )
+    segment_frac: float = arg(
+        0.3, "k: this fraction of each completion's tokens, those of highest entropy, end segments"
+    )
     gamma: float = arg(1.0, "GAE discount over segments")
     lam: float = arg(0.99, "GAE lambda over segments")
-    adv_clip: float = arg(5.0, "whitened advantages are clamped to [-adv_clip, adv_clip] "
-                          "(official code)")
-    critic_model: str | None = arg(None, "model the critic starts from (default: --model); it "
-                                   "must use the policy's tokenizer")
-    critic_lr: float | None = arg(None, "critic AdamW learning rate (the paper: 2e-6 with --lr "
-                                  "1e-6)")
-    value_at: str = arg("start", "V(s_m) at the segment's first token (start: the paper's state "
-                        "before the segment) or at its last (end: the official code)",
-                        choices=["start", "end"])
+    adv_clip: float = arg(
+        5.0, "whitened advantages are clamped to [-adv_clip, adv_clip] (official code)"
+    )
+    critic_model: str | None = arg(
+        None, "model the critic starts from (default: --model); it must use the policy's tokenizer"
+    )
+    critic_lr: float | None = arg(
+        None, "critic AdamW learning rate (the paper: 2e-6 with --lr 1e-6)"
+    )
+    value_at: str = arg(
+        "start",
+        "V(s_m) at the segment's first token (start: the paper's state "
+        "before the segment) or at its last (end: the official code)",
+        choices=["start", "end"],
+    )
     value_clip: float = arg(0.5, "the value loss clips V - V_old to [-value_clip, value_clip]")
-    overlong_cache: int | None = arg(None, "L_cache: reward shaping, not part of the objective: "
-                                     "the reward loses up to 0.5 over the last L_cache tokens "
-                                     "before --max-new-tokens (DAPO's soft overlong punishment at "
-                                     "DAPO's weight); 0: off (every preset's)")
+    overlong_cache: int | None = arg(
+        None,
+        "L_cache: reward shaping, not part of the objective: "
+        "the reward loses up to 0.5 over the last L_cache tokens "
+        "before --max-new-tokens (DAPO's soft overlong punishment at "
+        "DAPO's weight); 0: off (every preset's)",
+    )
 
 
 # SAPO: one completion per prompt, so as many prompts as the others' completions (the paper's
 # 512 ran on 8 GPUs); the critic's lr twice the policy's, as in the paper (Table 7)
-PRESETS = tasks.presets(every=dict(group_size=1), tiny=dict(prompts_per_step=128, critic_lr=4e-4),
-                        cpu=dict(prompts_per_step=32, critic_lr=6e-5),
-                        gpu=dict(prompts_per_step=256, critic_lr=2e-6))
+PRESETS = tasks.presets(
+    every=dict(group_size=1),
+    tiny=dict(prompts_per_step=128, critic_lr=4e-4),
+    cpu=dict(prompts_per_step=32, critic_lr=6e-5),
+    gpu=dict(prompts_per_step=256, critic_lr=2e-6),
+)
 
 
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag left unset, then every flag checked."""
     tasks.resolve_run_args(args, ALGO, PRESETS, min_group=1)  # SAPO: a critic, no group
-    common.check_args(args, {
-        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
-        f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
-        f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
-        f"--segment-frac must be in (0, 1], not {args.segment_frac}": 0 < args.segment_frac <= 1,
-        f"--gamma must be in [0, 1], not {args.gamma}": 0 <= args.gamma <= 1,
-        f"--lam must be in [0, 1], not {args.lam}": 0 <= args.lam <= 1,
-        f"--adv-clip must be > 0, not {args.adv_clip}": args.adv_clip > 0,
-        f"--critic-lr must be > 0, not {args.critic_lr}": args.critic_lr > 0,
-        f"--value-at must be start or end, not {args.value_at!r}":
-            args.value_at in ("start", "end"),
-        f"--value-clip must be > 0, not {args.value_clip}": args.value_clip > 0,
-        f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
-        f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
-    })
+    common.check_args(
+        args,
+        {
+            f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
+            f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
+            f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
+            f"--segment-frac must be in (0, 1], not {args.segment_frac}": 0
+            < args.segment_frac
+            <= 1,
+            f"--gamma must be in [0, 1], not {args.gamma}": 0 <= args.gamma <= 1,
+            f"--lam must be in [0, 1], not {args.lam}": 0 <= args.lam <= 1,
+            f"--adv-clip must be > 0, not {args.adv_clip}": args.adv_clip > 0,
+            f"--critic-lr must be > 0, not {args.critic_lr}": args.critic_lr > 0,
+            f"--value-at must be start or end, not {args.value_at!r}": args.value_at
+            in ("start", "end"),
+            f"--value-clip must be > 0, not {args.value_clip}": args.value_clip > 0,
+            f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
+            f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
+        },
+    )
     return args
 
 
@@ -263,8 +290,19 @@ def segment_log_ratio(logp, old_logp, seg_id, seg_mask, mask, clamp: float | Non
     return torch.where(valid, to_tokens(log_s, seg_id, mask) + x - x.detach(), 0.0)
 
 
-def sapo_policy_loss(logp, old_logp, advantages, seg_id, seg_mask, mask, clip_low=0.2,
-                     clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0, num_tokens=None):
+def sapo_policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    seg_id,
+    seg_mask,
+    mask,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=3.0,
+    log_ratio_clamp=20.0,
+    num_tokens=None,
+):
     """SAPO's clipped surrogate (Eq. 9) with the segment ratio, token-mean.
 
     logp        [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
@@ -363,8 +401,10 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     --overlong-cache L adds a length term, reward shaping that is no part of the objective:
     r_i = correct_i + 0.5 * overlong_penalty(len_i), DAPO's penalty at DAPO's weight (there -1
     against a right/wrong gap of 2), so a completion cut off at --max-new-tokens loses 0.5."""
-    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
-              for t, a in zip(texts, answers)]
+    grades = [
+        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        for t, a in zip(texts, answers)
+    ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     if not args.overlong_cache:  # off: the outcome alone
@@ -467,16 +507,23 @@ def load_critic(name: str, device: torch.device, args, tokenizer):
     path = tasks.resolve_model_name(name)
     try:
         critic, info = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
-            output_loading_info=True)
+            path,
+            num_labels=1,
+            dtype=torch.float32,
+            trust_remote_code=args.trust_remote_code,
+            output_loading_info=True,
+        )
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
-        raise UserError(f"cannot load the critic from {name!r} ({path}): "
-                        f"{common.first_line(e)}") from None
+        raise UserError(
+            f"cannot load the critic from {name!r} ({path}): {common.first_line(e)}"
+        ) from None
     n_vocab = critic.get_input_embeddings().num_embeddings
     if n_vocab < len(tokenizer):
-        raise UserError(f"the critic model {name!r} has {n_vocab} token embeddings, fewer than "
-                        f"the {len(tokenizer)} tokens of the policy's tokenizer: --critic-model "
-                        f"must use that tokenizer")
+        raise UserError(
+            f"the critic model {name!r} has {n_vocab} token embeddings, fewer than "
+            f"the {len(tokenizer)} tokens of the policy's tokenizer: --critic-model "
+            f"must use that tokenizer"
+        )
     with torch.no_grad():
         for key in info["missing_keys"]:
             if not key.startswith(critic.base_model_prefix + "."):  # the new head, not the base
@@ -506,9 +553,13 @@ def token_values(critic, batch, rows, args):
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     valid = batch["mask"][rows].bool()  # [b, T]
     with autocast(args):
-        v = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits[..., 0]  # [b, Tp' + T']
-    v = F.pad(v[:, -T - 1:-1].float(), (0, valid.shape[1] - T))  # position t - 1 values token t
+        v = critic(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits[..., 0]  # [b, Tp' + T']
+    v = F.pad(v[:, -T - 1 : -1].float(), (0, valid.shape[1] - T))  # position t - 1 values token t
     return torch.where(valid, v, 0.0)
 
 
@@ -543,9 +594,16 @@ def segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args)
     rewards = segment_rewards(old_logp, ref_logp, outcome, seg_id, seg_mask, mask, args.kl_coef)
     adv, returns = segment_gae(rewards, old_values, seg_mask, args.gamma, args.lam)  # Eqs. 6-7
     raw = to_tokens(adv, seg_id, mask)
-    return dict(ends=ends, seg_id=seg_id, seg_mask=seg_mask, token_values=tok_values,
-                old_values=old_values, returns=returns, raw_advantages=raw,
-                advantages=whiten_and_clamp(raw, mask, args.adv_clip))
+    return dict(
+        ends=ends,
+        seg_id=seg_id,
+        seg_mask=seg_mask,
+        token_values=tok_values,
+        old_values=old_values,
+        returns=returns,
+        raw_advantages=raw,
+        advantages=whiten_and_clamp(raw, mask, args.adv_clip),
+    )
 
 
 def value_backward(critic, batch, rows, seg, num_segments, args):
@@ -556,8 +614,9 @@ def value_backward(critic, batch, rows, seg, num_segments, args):
     old_values, returns = seg["old_values"][rows], seg["returns"][rows]  # [b, S] each
     v_tokens = token_values(critic, batch, rows, args)  # [b, T], with grad
     values = segment_state_values(v_tokens, seg_id, seg_mask, mask, args.value_at)  # [b, S]
-    value_loss = sapo_value_loss(values, old_values, returns, seg_mask, num_segments,
-                                 args.value_clip)
+    value_loss = sapo_value_loss(
+        values, old_values, returns, seg_mask, num_segments, args.value_clip
+    )
     value_loss.backward()
     return value_loss.item(), value_stats(values, old_values, returns, seg_mask, args.value_clip)
 
@@ -570,21 +629,34 @@ def critic_step(optimizer, scheduler, params, args, value_loss_sum: float) -> di
     value_grad_norm, and skipped_updates (reduce_stats sums it with the policy's, so it counts
     the skipped steps of both optimizers)."""
     c = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm, value_loss_sum)
-    return {"value_loss": value_loss_sum, "value_grad_norm": c["grad_norm"],
-            "skipped_updates": c["skipped_updates"]}
+    return {
+        "value_loss": value_loss_sum,
+        "value_grad_norm": c["grad_norm"],
+        "skipped_updates": c["skipped_updates"],
+    }
 
 
 def sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp) -> dict:
     """rollout_metrics with the whole batch as one group (G = 1, so zero_std_frac is 1 when every
     completion got the same reward: nothing to learn), plus SAPO's rollout_stats."""
-    return {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),
-            **rollout_stats(seg["raw_advantages"], seg["old_values"], seg["returns"],
-                            seg["seg_mask"], batch["mask"], old_logp, ref_logp)}
+    return {
+        **rollout_metrics(batch, rewards, correct, parsed, old_entropy, len(rewards)),
+        **rollout_stats(
+            seg["raw_advantages"],
+            seg["old_values"],
+            seg["returns"],
+            seg["seg_mask"],
+            batch["mask"],
+            old_logp,
+            ref_logp,
+        ),
+    }
 
 
 @torch.no_grad()
-def rollout_stats(raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=None,
-                  ref_logp=None) -> dict:
+def rollout_stats(
+    raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=None, ref_logp=None
+) -> dict:
     """SAPO, per rollout batch: segments per completion, mean segment length (tokens), the token
     advantages' mean and std (Bessel) before whitening, the critic's explained variance of the
     returns by the values it gave this batch before training on it (out of sample), the mean
@@ -609,19 +681,33 @@ def rollout_stats(raw_adv_tokens, old_values, returns, seg_mask, mask, old_logp=
     x = torch.where(valid, raw_adv_tokens, 0.0)
     mean = x.sum() / n_tok.clamp(min=1)
     var = torch.where(valid, (x - mean) ** 2, 0.0).sum() / (n_tok - 1).clamp(min=1)
-    stats = {"segments_per_completion": n_seg / max(valid.shape[0], 1),
-             "segment_len": n_tok / n_seg.clamp(min=1), "adv_mean": mean, "adv_std": var.sqrt(),
-             "explained_var": explained_variance(old_values, returns, seg_mask),
-             "value_mean": torch.where(ok, old_values, 0.0).sum() / n_seg.clamp(min=1),
-             "return_mean": torch.where(ok, returns, 0.0).sum() / n_seg.clamp(min=1)}
+    stats = {
+        "segments_per_completion": n_seg / max(valid.shape[0], 1),
+        "segment_len": n_tok / n_seg.clamp(min=1),
+        "adv_mean": mean,
+        "adv_std": var.sqrt(),
+        "explained_var": explained_variance(old_values, returns, seg_mask),
+        "value_mean": torch.where(ok, old_values, 0.0).sum() / n_seg.clamp(min=1),
+        "return_mean": torch.where(ok, returns, 0.0).sum() / n_seg.clamp(min=1),
+    }
     if ref_logp is not None:
         stats["kl"] = torch.where(valid, old_logp - ref_logp, 0.0).sum() / n_tok.clamp(min=1)
     return {k: float(v) for k, v in stats.items()}
 
 
 @torch.no_grad()
-def sapo_stats(logp, old_logp, advantages, seg_id, seg_mask, mask, clip_low=0.2,
-               clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0) -> dict:
+def sapo_stats(
+    logp,
+    old_logp,
+    advantages,
+    seg_id,
+    seg_mask,
+    mask,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=3.0,
+    log_ratio_clamp=20.0,
+) -> dict:
     """Per micro-batch, token-weighted over valid tokens: clip_frac (the clipped branch of
     Eq. 9 is active), dual_clip_frac (A < 0 and s > dual_clip), approx_kl (k1 estimate of
     KL(old || new), mean of old_logp - logp), and the min / max segment ratio.
@@ -647,10 +733,13 @@ def sapo_stats(logp, old_logp, advantages, seg_id, seg_mask, mask, clip_low=0.2,
     dual = (A < 0) & (s > dual_clip) if dual_clip is not None else torch.zeros_like(valid)
     seg_s = torch.exp(_seg_mean(log_s, seg_id, mask, seg_mask.shape[1])[seg_mask.bool()])
     one = s.new_ones(())
-    stats = {"clip_frac": (clipped & valid).sum() / n, "dual_clip_frac": (dual & valid).sum() / n,
-             "approx_kl": torch.where(valid, old_logp - logp, 0.0).sum() / n,
-             "seg_ratio_min": seg_s.min() if seg_s.numel() else one,
-             "seg_ratio_max": seg_s.max() if seg_s.numel() else one}
+    stats = {
+        "clip_frac": (clipped & valid).sum() / n,
+        "dual_clip_frac": (dual & valid).sum() / n,
+        "approx_kl": torch.where(valid, old_logp - logp, 0.0).sum() / n,
+        "seg_ratio_min": seg_s.min() if seg_s.numel() else one,
+        "seg_ratio_max": seg_s.max() if seg_s.numel() else one,
+    }
     return {k: float(v) for k, v in stats.items()}
 
 
@@ -688,8 +777,13 @@ def train(args: Args) -> dict:
     optimizer, scheduler = common.make_optimizer(params, args)
     critic_params, critic_optimizer, critic_scheduler = critic_optimizer_for(critic, args)  # SAPO
     sampler = tasks.PromptSampler(len(train_rows), args.seed)
-    state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                 critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler)  # SAPO
+    state = dict(
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        critic_optimizer=critic_optimizer,
+        critic_scheduler=critic_scheduler,
+    )  # SAPO
     start = run.attach({"": policy, "critic": critic}, tokenizer, state)  # what a checkpoint holds
     if start == 0 and eval_rows:
         run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
@@ -739,31 +833,58 @@ def train(args: Args) -> dict:
                     m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]
                     logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
                     A = advantages[mb]  # SAPO: A_m(t) [b, T]
-                    loss = sapo_policy_loss(logp, old_logp[mb], A, sid, sm, m, args.clip_low,
-                                            args.clip_high, num_tokens=num_tokens)  # SAPO: Eq. 9
+                    loss = sapo_policy_loss(
+                        logp,
+                        old_logp[mb],
+                        A,
+                        sid,
+                        sm,
+                        m,
+                        args.clip_low,
+                        args.clip_high,
+                        num_tokens=num_tokens,
+                    )  # SAPO: Eq. 9
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     value_loss, v_stats = value_backward(critic, batch, mb, seg, num_segments, args)
                     loss_sum += loss.item()
                     value_loss_sum += value_loss  # SAPO: Eq. 10's, backpropagated just above
-                    stats.append({**sapo_stats(logp, old_logp[mb], A, sid, sm, m, args.clip_low,
-                                               args.clip_high), **v_stats})
-                step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
-                                                   loss_sum)
+                    stats.append(
+                        {
+                            **sapo_stats(
+                                logp, old_logp[mb], A, sid, sm, m, args.clip_low, args.clip_high
+                            ),
+                            **v_stats,
+                        }
+                    )
+                step_stats = common.optimizer_step(
+                    optimizer, scheduler, params, args.max_grad_norm, loss_sum
+                )
                 stats.append({"loss": loss_sum, **step_stats})
-                stats.append(critic_step(critic_optimizer, critic_scheduler, critic_params, args,
-                                         value_loss_sum))  # SAPO
+                stats.append(
+                    critic_step(
+                        critic_optimizer, critic_scheduler, critic_params, args, value_loss_sum
+                    )
+                )  # SAPO
         clock.lap("update")
 
         # 6. Metrics, samples, held-out evaluation, checkpoint
-        metrics = {**sapo_metrics(batch, rewards, correct, parsed, old_entropy, seg, old_logp,
-                                  ref_logp),  # SAPO
-                   **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
-                   "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
-                   **clock.metrics(tokens=batch["mask"].sum().item())}
+        metrics = {
+            **sapo_metrics(
+                batch, rewards, correct, parsed, old_entropy, seg, old_logp, ref_logp
+            ),  # SAPO
+            **common.reduce_stats(stats),
+            "lr": scheduler.get_last_lr()[0],
+            "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
+            **clock.metrics(tokens=batch["mask"].sum().item()),
+        }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
-            shown = {"entropy": old_entropy, "segment_end": seg["ends"].float(),  # SAPO: segments,
-                     "advantage": advantages, "value": seg["token_values"]}  # advantages, values
+            shown = {
+                "entropy": old_entropy,
+                "segment_end": seg["ends"].float(),  # SAPO: segments,
+                "advantage": advantages,
+                "value": seg["token_values"],
+            }  # advantages, values
             run.write_samples(step, tokenizer, batch, rewards, advantages, shown)
         if eval_rows and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
@@ -806,8 +927,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
-                                                     trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
         raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
     # the log-prob pass reads logits as lm_head(last hidden state): a model that rescales or
@@ -816,13 +938,15 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
         x = torch.arange(3)[None]
         direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
         if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
-            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. "
-                            "soft-capping or a logit scale), which this script's chunked log-prob "
-                            "pass does not reproduce")
+            raise UserError(
+                f"model {name!r} transforms its logits after the output layer (e.g. "
+                "soft-capping or a logit scale), which this script's chunked log-prob "
+                "pass does not reproduce"
+            )
     own = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id,
-                                               pad_token_id=own.pad_token_id,
-                                               bos_token_id=own.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id, bos_token_id=own.bos_token_id
+    )
     for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -852,12 +976,19 @@ def add_lora(model, base: str, args, adapter: str | None = None):
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
         else:
-            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                target_modules=targets, task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
             model = get_peft_model(model, config)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, or PEFT failed
-        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
-                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
+        raise UserError(
+            f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
+            f"{args.lora_target_modules}): {common.first_line(e)}"
+        ) from None
     if Path(base).is_dir():  # the checkpoint names its base by full path: eval.py finds it anywhere
         model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     for p in model.parameters():
@@ -881,12 +1012,14 @@ class AdapterOff:
         def without_adapters(**inputs):
             with self.policy.disable_adapter():
                 return self.policy.get_decoder()(**inputs)
+
         return without_adapters
 
     def get_output_embeddings(self):
         def without_adapters(h):
             with self.policy.disable_adapter():
                 return self.policy.get_output_embeddings()(h)
+
         return without_adapters
 
 
@@ -927,11 +1060,15 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
-        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
-                        f"(context - max_new_tokens); lower --max-new-tokens")
+        raise UserError(
+            f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
+            f"(context - max_new_tokens); lower --max-new-tokens"
+        )
     if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
-              f"{max_prompt_tokens} tokens")
+        print(
+            f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+            f"{max_prompt_tokens} tokens"
+        )
     return kept
 
 
@@ -939,13 +1076,17 @@ def load_data(args, tokenizer, ctx: int):
     """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
     prompt + completion within the model's context)."""
     if args.max_new_tokens >= ctx:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
-                        f"this model's {ctx}-token context")
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+            f"this model's {ctx}-token context"
+        )
     max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
     if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
-                        f"{args.max_new_tokens} "
-                        f"exceed this model's {ctx}-token context")
+        raise UserError(
+            f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
+            f"{args.max_new_tokens} "
+            f"exceed this model's {ctx}-token context"
+        )
     train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
     if args.eval_dataset == "none":
         print("no held-out evaluation (--eval-dataset none)")
@@ -969,8 +1110,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+    return [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())
+    ]
 
 
 @torch.no_grad()
@@ -981,25 +1124,40 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     gen_cfg = GenerationConfig(  # every sampling setting written out: nothing else shapes it
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=0,
         max_new_tokens=args.max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
     model.eval()
     chunks, n = [], args.gen_batch_size or len(prompt_ids)
     for i in range(0, len(prompt_ids), n):
         with autocast(args):
-            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                 generation_config=gen_cfg)
-        chunks.append(out[:, prompt_ids.shape[1]:])
+            out = model.generate(
+                input_ids=prompt_ids[i : i + n],
+                attention_mask=prompt_mask[i : i + n],
+                generation_config=gen_cfg,
+            )
+        chunks.append(out[:, prompt_ids.shape[1] :])
     T = max(c.shape[1] for c in chunks)
     padded = [F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
     completion_ids = torch.cat(padded)  # [B, T]
     mask = completion_mask(completion_ids, eos_ids)  # [B, T]
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
     texts = decode_completions(tokenizer, completion_ids, mask)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                mask=mask, truncated=truncated, texts=texts,
-                prompts=[p for p in prompts for _ in range(G)])
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        mask=mask,
+        truncated=truncated,
+        texts=texts,
+        prompts=[p for p in prompts for _ in range(G)],
+    )
 
 
 def model_inputs(batch, rows):
@@ -1046,16 +1204,29 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
-    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+        hidden = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature,
-                  with_entropy, extra)
+        args_i = (
+            h[i : i + chunk],
+            lm_head,
+            ids[valid][i : i + chunk],
+            args.temperature,
+            with_entropy,
+            extra,
+        )
         with autocast(args):
-            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+            outs.append(
+                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                if torch.is_grad_enabled()
+                else _logp_entropy_chunk(*args_i)
+            )
 
     def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
         if outs and outs[0][k] is None:
@@ -1064,6 +1235,7 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
         full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
         zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
         return zeros.masked_scatter(full, flat)
+
     return scatter(0), scatter(1), scatter(2)
 
 
@@ -1081,6 +1253,7 @@ def batch_logps(model, batch: dict, args, extra=None):
 
     def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
         return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+
     return joined(0), joined(1), joined(2)
 
 
@@ -1090,22 +1263,34 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
     """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
-        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
-                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
-                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
-                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        cfg = GenerationConfig(
+            do_sample=sample,
+            temperature=args.temperature if sample else None,
+            top_p=args.top_p if sample else None,
+            top_k=0 if sample else None,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+        )
         correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         chunks = range(0, len(problems), n)
         for i in tqdm(chunks, desc=f"eval ({name})", leave=False, dynamic_ncols=True):
-            chunk = problems[i:i + n]
-            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
+            chunk = problems[i : i + n]
+            enc = tokenizer(
+                [p["prompt"] for p in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
             with autocast(args):
-                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
+                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            grades = [tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
-                      for t, p in zip(texts, chunk)]
+            grades = [
+                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                for t, p in zip(texts, chunk)
+            ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
@@ -1122,13 +1307,17 @@ def show_samples(step, batch, rewards, k=2):
 def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
     m = batch["mask"].bool()
     zero_std = rewards.view(-1, G).std(1) == 0  # [P]: groups that teach nothing
-    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
-            "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
-            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
-            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
-            "truncated_frac": batch["truncated"].float().mean().item()}
+    return {
+        "reward": rewards.mean().item(),
+        "accuracy": correct.mean().item(),
+        "unparsable_frac": 1 - parsed.mean().item(),
+        "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
+        "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+        "completions": len(m),
+        "completion_len": m.sum(1).float().mean().item(),
+        "completion_len_max": m.sum(1).max().item() if len(m) else 0,
+        "truncated_frac": batch["truncated"].float().mean().item(),
+    }
 
 
 def main(argv=None):

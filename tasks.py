@@ -29,10 +29,21 @@ from common import UserError, first_line
 # Model names and folders
 # =====================================================================================
 # Short names a user can type without the organisation, e.g. `--model Qwen2.5-Math-1.5B`.
-HUB_ORGS_BY_PREFIX = {"Qwen": "Qwen", "DeepSeek": "deepseek-ai", "deepseek": "deepseek-ai",
-                      "Llama": "meta-llama", "OLMo": "allenai", "SmolLM": "HuggingFaceTB"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "spiece.model")
+HUB_ORGS_BY_PREFIX = {
+    "Qwen": "Qwen",
+    "DeepSeek": "deepseek-ai",
+    "deepseek": "deepseek-ai",
+    "Llama": "meta-llama",
+    "OLMo": "allenai",
+    "SmolLM": "HuggingFaceTB",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
 
 
 def resolve_model_name(name: str) -> str:
@@ -49,8 +60,10 @@ def resolve_model_name(name: str) -> str:
     for prefix, org in HUB_ORGS_BY_PREFIX.items():
         if name.startswith(prefix):
             return f"{org}/{name}"
-    raise UserError(f"unknown model {name!r}: give 'tiny', a local folder, a hub id such as "
-                    f"'Qwen/Qwen2.5-Math-1.5B', or a short Qwen name such as 'Qwen2.5-Math-1.5B'")
+    raise UserError(
+        f"unknown model {name!r}: give 'tiny', a local folder, a hub id such as "
+        f"'Qwen/Qwen2.5-Math-1.5B', or a short Qwen name such as 'Qwen2.5-Math-1.5B'"
+    )
 
 
 def check_model_folder(path: str) -> None:
@@ -61,12 +74,15 @@ def check_model_folder(path: str) -> None:
     if not folder.is_dir():
         return  # a hub id: the hub's errors are turned into one line where it is loaded
     if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
-        raise UserError(f"model folder {path!r} has no config.json: is it a Hugging Face model "
-                        f"folder?")
+        raise UserError(
+            f"model folder {path!r} has no config.json: is it a Hugging Face model folder?"
+        )
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise UserError(f"model folder {path!r} has no tokenizer files "
-                        f"({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
-                        f"trained from")
+        raise UserError(
+            f"model folder {path!r} has no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
+            f"trained from"
+        )
 
 
 def is_tiny(model_name: str) -> bool:
@@ -82,8 +98,10 @@ def is_tiny(model_name: str) -> bool:
     if not (ref.is_file() and cfg.is_file()):
         return False
     a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
-    return all(a.get(k) == b.get(k)
-               for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"))
+    return all(
+        a.get(k) == b.get(k)
+        for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+    )
 
 
 def _safetensors_end(path: Path) -> int | None:
@@ -94,8 +112,13 @@ def _safetensors_end(path: Path) -> int | None:
             if n > path.stat().st_size - 8:
                 return None
             header = json.loads(fh.read(n))
-        return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                           default=0)
+        return (
+            8
+            + n
+            + max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
+        )
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
 
@@ -124,21 +147,68 @@ def damaged_weights(folder: Path, recursive: bool = False) -> str | None:
 # 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade). overlong_cache,
 # the length term in the reward (reward shaping, docs/study/PLAN-length.md), is off in all three;
 # dapo.py's reward is built on it and sets its own.
-PRESETS = {"tiny": dict(dataset="tiny", template="tiny", eval_dataset="tiny",
-                        answer_extraction="boxed", prompts_per_step=16, group_size=8,
-                        max_new_tokens=40, steps=160, lr=2e-4, lora_lr=1e-3, warmup_steps=4,
-                        num_mini_batches=2, micro_batch_size=64, eval_every=40, eval_n=256,
-                        save_every=80, overlong_cache=0),
-           "cpu": dict(dataset="words", template="chat", eval_dataset="words",
-                       answer_extraction="math_verify", lora_rank=16, prompts_per_step=4,
-                       group_size=8, max_new_tokens=64, steps=60, lr=3e-5, lora_lr=3e-4,
-                       warmup_steps=2, num_mini_batches=2, micro_batch_size=16, gen_batch_size=64,
-                       eval_every=15, eval_n=128, save_every=15, overlong_cache=0),
-           "gpu": dict(dataset="math", template="qwen_math", eval_dataset="math",
-                       answer_extraction="boxed", prompts_per_step=32, group_size=8,
-                       max_new_tokens=3000, steps=500, lr=1e-6, lora_lr=1e-5, warmup_steps=10,
-                       num_mini_batches=4, micro_batch_size=4, gen_batch_size=64, eval_every=50,
-                       eval_n=500, save_every=50, overlong_cache=0),}
+PRESETS = {
+    "tiny": dict(
+        dataset="tiny",
+        template="tiny",
+        eval_dataset="tiny",
+        answer_extraction="boxed",
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=40,
+        steps=160,
+        lr=2e-4,
+        lora_lr=1e-3,
+        warmup_steps=4,
+        num_mini_batches=2,
+        micro_batch_size=64,
+        eval_every=40,
+        eval_n=256,
+        save_every=80,
+        overlong_cache=0,
+    ),
+    "cpu": dict(
+        dataset="words",
+        template="chat",
+        eval_dataset="words",
+        answer_extraction="math_verify",
+        lora_rank=16,
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=64,
+        steps=60,
+        lr=3e-5,
+        lora_lr=3e-4,
+        warmup_steps=2,
+        num_mini_batches=2,
+        micro_batch_size=16,
+        gen_batch_size=64,
+        eval_every=15,
+        eval_n=128,
+        save_every=15,
+        overlong_cache=0,
+    ),
+    "gpu": dict(
+        dataset="math",
+        template="qwen_math",
+        eval_dataset="math",
+        answer_extraction="boxed",
+        prompts_per_step=32,
+        group_size=8,
+        max_new_tokens=3000,
+        steps=500,
+        lr=1e-6,
+        lora_lr=1e-5,
+        warmup_steps=10,
+        num_mini_batches=4,
+        micro_batch_size=4,
+        gen_batch_size=64,
+        eval_every=50,
+        eval_n=500,
+        save_every=50,
+        overlong_cache=0,
+    ),
+}
 
 
 def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:
@@ -147,8 +217,9 @@ def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:
     >>> presets(gpu=dict(num_mini_batches=8))["gpu"]["num_mini_batches"]
     8
     """
-    return {name: {**base, **(every or {}), **changes.get(name, {})}
-            for name, base in PRESETS.items()}
+    return {
+        name: {**base, **(every or {}), **changes.get(name, {})} for name, base in PRESETS.items()
+    }
 
 
 def apply_preset(args, presets: dict[str, dict], cuda: bool) -> None:
@@ -184,13 +255,13 @@ def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int =
         args.run_name = f"{algo}-{Path(args.model).name}-s{args.seed}-{stamp}"
     B = args.prompts_per_step * args.group_size
     why = " (a group advantage needs 2 completions)" if min_group == 2 else ""
-    common.check_args(args, {
-        f"--group-size must be at least {min_group}{why}, not {args.group_size}":
-            args.group_size >= min_group,
-        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches":
-            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0,
-    })
-
+    group_ok = args.group_size >= min_group
+    split_ok = args.num_mini_batches >= 1 and B % args.num_mini_batches == 0
+    group_rule = f"--group-size must be at least {min_group}{why}, not {args.group_size}"
+    split_rule = (
+        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches"
+    )
+    common.check_args(args, {group_rule: group_ok, split_rule: split_ok})
 
 
 # =====================================================================================
@@ -218,8 +289,9 @@ def tiny_task(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
     if split not in ("train", "test"):
         raise UserError(f"the tiny task has splits 'train' and 'test', not {split!r}")
     r = range(TINY_MAX_OPERAND + 1)
-    every = [tiny_example(a, o1, b, o2, c) for a in r for o1 in "+-" for b in r for o2 in "+-"
-             for c in r]
+    every = [
+        tiny_example(a, o1, b, o2, c) for a in r for o1 in "+-" for b in r for o2 in "+-" for c in r
+    ]
     out = [e for e in every if tiny_is_heldout(e["problem"]) == (split == "test")]
     random.Random(f"tiny-{split}-{seed}").shuffle(out)
     return out[:n]
@@ -229,8 +301,18 @@ def tiny_task(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
 # Word problems for real chat models: one to three steps in plain English, integer answers
 # =====================================================================================
 NAMES = ("Tom", "Anna", "Ravi", "Mia", "Leo", "Sara", "Omar", "Yuki", "Ben", "Lena", "Kofi", "Ines")
-ITEMS = ("apples", "marbles", "books", "stickers", "coins", "pencils", "cookies", "stamps",
-         "shells", "cards")
+ITEMS = (
+    "apples",
+    "marbles",
+    "books",
+    "stickers",
+    "coins",
+    "pencils",
+    "cookies",
+    "stamps",
+    "shells",
+    "cards",
+)
 
 
 def word_problem(rng: random.Random) -> dict:
@@ -244,15 +326,28 @@ def word_problem(rng: random.Random) -> dict:
         kind = rng.choice(("gain", "lose", "bags", "double", "share"))
         if kind == "gain":
             k = rng.randint(1, 10)
-            text.append(rng.choice((f"{friend} gives {name} {k} more.",
-                                    f"Then {name} finds {k} more {item}.",
-                                    f"{name} buys {k} more {item}.")))
+            text.append(
+                rng.choice(
+                    (
+                        f"{friend} gives {name} {k} more.",
+                        f"Then {name} finds {k} more {item}.",
+                        f"{name} buys {k} more {item}.",
+                    )
+                )
+            )
             steps.append(f"{n} + {k} = {n + k}")
             n += k
         elif kind == "lose" and n >= 2:
             k = rng.randint(1, n - 1)
-            text.append(rng.choice((f"{name} gives {k} of them to {friend}.",
-                                    f"Then {name} loses {k} {item}.", f"{name} sells {k} {item}.")))
+            text.append(
+                rng.choice(
+                    (
+                        f"{name} gives {k} of them to {friend}.",
+                        f"Then {name} loses {k} {item}.",
+                        f"{name} sells {k} {item}.",
+                    )
+                )
+            )
             steps.append(f"{n} - {k} = {n - k}")
             n -= k
         elif kind == "bags":
@@ -268,8 +363,9 @@ def word_problem(rng: random.Random) -> dict:
             d = rng.choice([d for d in (2, 3, 4, 5) if n % d == 0] or [1])
             if d == 1:
                 continue
-            text.append(f"{name} shares the {item} equally with {d - 1} friends and keeps one "
-                        f"share.")
+            text.append(
+                f"{name} shares the {item} equally with {d - 1} friends and keeps one share."
+            )
             steps.append(f"{n} / {d} = {n // d}")
             n //= d
     if not steps:  # every event was skipped: one addition, so each problem has a step
@@ -278,8 +374,11 @@ def word_problem(rng: random.Random) -> dict:
         steps.append(f"{n} + {k} = {n + k}")
         n += k
     text.append(f"How many {item} does {name} have now?")
-    return {"problem": " ".join(text), "solution": "\n".join(steps) + f"\nThe answer is {n}.",
-            "answer": str(n)}
+    return {
+        "problem": " ".join(text),
+        "solution": "\n".join(steps) + f"\nThe answer is {n}.",
+        "answer": str(n),
+    }
 
 
 def word_problems(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
@@ -319,8 +418,10 @@ def build_prompt(tokenizer, problem: str, template: str) -> str:
     if template == "qwen_math":
         if not has_chat:
             return f"{problem}\n{QWEN_MATH_SYSTEM}\n"
-        msgs = [{"role": "system", "content": QWEN_MATH_SYSTEM},
-                {"role": "user", "content": problem}]
+        msgs = [
+            {"role": "system", "content": QWEN_MATH_SYSTEM},
+            {"role": "user", "content": problem},
+        ]
     elif template == "tiny":
         if not has_chat:
             return f"{problem}\n"
@@ -330,8 +431,10 @@ def build_prompt(tokenizer, problem: str, template: str) -> str:
     elif template == "chat":
         if not has_chat:
             return f"{problem}\n{CHAT_INSTRUCTION}\n"
-        msgs = [{"role": "system", "content": CHAT_INSTRUCTION},
-                {"role": "user", "content": problem}]
+        msgs = [
+            {"role": "system", "content": CHAT_INSTRUCTION},
+            {"role": "user", "content": problem},
+        ]
     else:
         raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}")
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -350,9 +453,15 @@ for _short, _spec in list(HUB_DATASETS.items()):
     HUB_DATASETS[_spec[0]] = _spec  # the full hub id works too
 
 
-def load_problems(dataset: str, split: str = "train", problem_column: str | None = None,
-                  answer_column: str | None = None, answer_from_boxed: bool | None = None,
-                  limit: int | None = None, seed: int = 0) -> list[dict]:
+def load_problems(
+    dataset: str,
+    split: str = "train",
+    problem_column: str | None = None,
+    answer_column: str | None = None,
+    answer_from_boxed: bool | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+) -> list[dict]:
     """A list of {'problem', 'answer'} from: 'tiny' or 'words' (generated), a short name or hub id
     in HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file."""
     if dataset in GENERATED:
@@ -372,8 +481,9 @@ def load_problems(dataset: str, split: str = "train", problem_column: str | None
         if path.suffix in (".jsonl", ".json", ".parquet"):
             if not path.is_file():
                 raise UserError(f"dataset file {dataset!r} does not exist")
-            if path.stat().st_size == 0 or (path.suffix != ".parquet"
-                                            and not path.read_text().strip()):
+            if path.stat().st_size == 0 or (
+                path.suffix != ".parquet" and not path.read_text().strip()
+            ):
                 raise UserError(f"dataset file {dataset!r} is empty")
             kind = "parquet" if path.suffix == ".parquet" else "json"
             ds = hf_datasets.load_dataset(kind, data_files=str(path), split="train")
@@ -385,12 +495,15 @@ def load_problems(dataset: str, split: str = "train", problem_column: str | None
     except UserError:
         raise
     except Exception as e:  # hub errors, bad files: one line, not a deep traceback
-        raise UserError(f"cannot load dataset {dataset!r} (split {split!r}): "
-                        f"{first_line(e)}") from None
+        raise UserError(
+            f"cannot load dataset {dataset!r} (split {split!r}): {first_line(e)}"
+        ) from None
     missing = [c for c in (p_col, a_col) if c not in ds.column_names]
     if missing:
-        raise UserError(f"dataset {dataset!r} has no column {missing[0]!r} (columns: "
-                        f"{', '.join(ds.column_names)}); set --problem-column / --answer-column")
+        raise UserError(
+            f"dataset {dataset!r} has no column {missing[0]!r} (columns: "
+            f"{', '.join(ds.column_names)}); set --problem-column / --answer-column"
+        )
     rows, dropped = [], 0
     for p, a in zip(ds[p_col], ds[a_col]):
         if a is not None:  # a null answer must not be graded as the text "None"
@@ -402,8 +515,10 @@ def load_problems(dataset: str, split: str = "train", problem_column: str | None
     if not rows:
         raise UserError(f"dataset {dataset!r} has no rows with both a problem and an answer")
     if dropped:
-        print(f"{dataset}: dropped {dropped} of {len(rows) + dropped} rows with no problem or no "
-              f"answer")
+        print(
+            f"{dataset}: dropped {dropped} of {len(rows) + dropped} rows with no problem or no "
+            f"answer"
+        )
     if limit is not None and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     return _noted(dataset, split, rows)
@@ -460,8 +575,10 @@ class PromptSampler:
             why = "its rows differ from those the run was trained on (their fingerprint changed)"
         if why:
             name = f" ({self.data[0]})" if self.data else ""
-            raise UserError(f"the training data{name} no longer matches the run: {why}; restore "
-                            f"the data it was trained on, or start a new run")
+            raise UserError(
+                f"the training data{name} no longer matches the run: {why}; restore "
+                f"the data it was trained on, or start a new run"
+            )
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._perm = self._permutation()
 
@@ -515,8 +632,9 @@ class Grade:
     pred: str | None
 
 
-def _verify_latex(gold: str, pred: str, timeout_s: int,
-                  free_text: bool = False) -> tuple[bool, bool]:
+def _verify_latex(
+    gold: str, pred: str, timeout_s: int, free_text: bool = False
+) -> tuple[bool, bool]:
     """math-verify on `pred`, read as the content of a box, or (free_text) as a whole completion
     whose final answer math-verify finds itself."""
     from math_verify import parse, verify
@@ -540,8 +658,9 @@ def _close_pool() -> None:
         _POOL.shutdown(wait=False, cancel_futures=True)
 
 
-def _verify_in_subprocess(gold: str, pred: str, timeout_s: int,
-                          free_text: bool) -> tuple[bool, bool]:
+def _verify_in_subprocess(
+    gold: str, pred: str, timeout_s: int, free_text: bool
+) -> tuple[bool, bool]:
     """Off the main thread SIGALRM cannot interrupt math-verify, so a worker process runs it
     and is killed if it overruns."""
     global _POOL
@@ -558,8 +677,9 @@ def _verify_in_subprocess(gold: str, pred: str, timeout_s: int,
         return False, True
 
 
-def math_equal(gold: str, pred: str, timeout_s: int = 5,
-               free_text: bool = False) -> tuple[bool, bool]:
+def math_equal(
+    gold: str, pred: str, timeout_s: int = 5, free_text: bool = False
+) -> tuple[bool, bool]:
     """(correct, parsed): math_verify.verify(gold, pred), bounded to about `timeout_s` seconds per
     parse and per comparison wherever it runs. Plain integers on both sides are compared
     directly (math-verify gives the same verdict, 1000x faster)."""
@@ -594,5 +714,3 @@ def grade(completion: str, gold: str, timeout_s: int = 5, extraction: str = "box
             correct = math_equal(gold, joined, timeout_s)[0]
             pred = joined if correct else pred
     return Grade(correct, parsed, pred)
-
-

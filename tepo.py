@@ -56,29 +56,57 @@ ALGO = "tepo"
 # =====================================================================================
 @dataclass
 class Args(common.RunArgs):
-    clip_low: float = arg(3e-4, "eps_low: the ratio is clipped below at 1 - eps_low (our reading: "
-                          "GSPO's range for a sequence ratio; with --ratio-level token pass 0.2)")
-    clip_high: float = arg(4e-4, "eps_high: the ratio is clipped above at 1 + eps_high (our "
-                           "reading: GSPO's; with --ratio-level token pass 0.28)")
+    clip_low: float = arg(
+        3e-4,
+        "eps_low: the ratio is clipped below at 1 - eps_low (our reading: "
+        "GSPO's range for a sequence ratio; with --ratio-level token pass 0.2)",
+    )
+    clip_high: float = arg(
+        4e-4,
+        "eps_high: the ratio is clipped above at 1 + eps_high (our "
+        "reading: GSPO's; with --ratio-level token pass 0.28)",
+    )
     kl_coef: float = arg(0.04, "coefficient of the masked KL term (our reading: GRPO's beta)")
-    ratio_level: str = arg("sequence", "sequence: the geometric-mean ratio carried to every token "
-                           "(our reading); token: per-token ratios", choices=["sequence", "token"])
-    loss_agg: str = arg("token-mean", "token-mean over the mini-batch's tokens (our reading of "
-                        "'token-level aggregation'), or GRPO's seq-mean-token-mean (not adopted)",
-                        choices=["token-mean", "seq-mean-token-mean"])
-    entropy_test: str = arg("predicted", "the mask's 'entropy decreasing': predicted from the sign "
-                            "of c (our reading of Lemma 3.2) or observed since sampling",
-                            choices=["predicted", "observed"])
-    entropy_tol: float | None = arg(None, "observed test: the entropy must fall by more than this "
-                                    "(default 1e-3 in fp32, 0.05 under bf16: above the noise)")
-    entropy_baseline: str = arg("old", "observed test compares with: old (the sampling policy) or "
-                                "ref", choices=["old", "ref"])
-    kl_target: str = arg("ref", "the masked KL pulls towards ref (the starting model) or old (the "
-                         "sampling policy)", choices=["ref", "old"])
-    overlong_cache: int | None = arg(None, "L_cache: reward shaping, not part of the objective: "
-                                     "the reward loses up to 0.5 over the last L_cache tokens "
-                                     "before --max-new-tokens (DAPO's soft overlong punishment at "
-                                     "DAPO's weight); 0: off (every preset's)")
+    ratio_level: str = arg(
+        "sequence",
+        "sequence: the geometric-mean ratio carried to every token "
+        "(our reading); token: per-token ratios",
+        choices=["sequence", "token"],
+    )
+    loss_agg: str = arg(
+        "token-mean",
+        "token-mean over the mini-batch's tokens (our reading of "
+        "'token-level aggregation'), or GRPO's seq-mean-token-mean (not adopted)",
+        choices=["token-mean", "seq-mean-token-mean"],
+    )
+    entropy_test: str = arg(
+        "predicted",
+        "the mask's 'entropy decreasing': predicted from the sign "
+        "of c (our reading of Lemma 3.2) or observed since sampling",
+        choices=["predicted", "observed"],
+    )
+    entropy_tol: float | None = arg(
+        None,
+        "observed test: the entropy must fall by more than this "
+        "(default 1e-3 in fp32, 0.05 under bf16: above the noise)",
+    )
+    entropy_baseline: str = arg(
+        "old",
+        "observed test compares with: old (the sampling policy) or ref",
+        choices=["old", "ref"],
+    )
+    kl_target: str = arg(
+        "ref",
+        "the masked KL pulls towards ref (the starting model) or old (the sampling policy)",
+        choices=["ref", "old"],
+    )
+    overlong_cache: int | None = arg(
+        None,
+        "L_cache: reward shaping, not part of the objective: "
+        "the reward loses up to 0.5 over the last L_cache tokens "
+        "before --max-new-tokens (DAPO's soft overlong punishment at "
+        "DAPO's weight); 0: off (every preset's)",
+    )
 
 
 # TEPO: the paper's data set and 8 updates per rollout batch
@@ -90,14 +118,17 @@ def resolve_args(args: Args) -> Args:
     tasks.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     if args.entropy_tol is None:  # TEPO: above the noise of recomputing the same entropies
         args.entropy_tol = 0.05 if args.bf16 else 1e-3
-    common.check_args(args, {
-        f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
-        f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
-        f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
-        f"--entropy-tol must be >= 0, not {args.entropy_tol}": args.entropy_tol >= 0,
-        f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
-        f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
-    })
+    common.check_args(
+        args,
+        {
+            f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
+            f"--clip-high must be >= 0, not {args.clip_high}": args.clip_high >= 0,
+            f"--kl-coef must be >= 0, not {args.kl_coef}": args.kl_coef >= 0,
+            f"--entropy-tol must be >= 0, not {args.entropy_tol}": args.entropy_tol >= 0,
+            f"--overlong-cache must be 0 (off) or in [1, --max-new-tokens {args.max_new_tokens}), "
+            f"not {args.overlong_cache}": 0 <= args.overlong_cache < args.max_new_tokens,
+        },
+    )
     return args
 
 
@@ -128,8 +159,10 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     --overlong-cache L adds a length term, reward shaping that is no part of the objective:
     r_i = correct_i + 0.5 * overlong_penalty(len_i), DAPO's penalty at DAPO's weight (there -1
     against a right/wrong gap of 2), so a completion cut off at --max-new-tokens loses 0.5."""
-    grades = [tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
-              for t, a in zip(texts, answers)]
+    grades = [
+        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        for t, a in zip(texts, answers)
+    ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
     parsed = torch.tensor([g.parsed for g in grades], dtype=torch.float32)  # [B]
     if not args.overlong_cache:  # off: the outcome alone
@@ -215,9 +248,21 @@ def kl_mask(advantages, entropy_falls, mask) -> torch.Tensor:
     return (advantages[:, None] > 0) & entropy_falls & mask.bool()
 
 
-def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M,
-              clip_low=3e-4, clip_high=4e-4, kl_coef=0.04, ratio_level="sequence",
-              loss_agg="token-mean", num_tokens=None, num_seqs=None):
+def tepo_loss(
+    logp,
+    old_logp,
+    kl_logp,
+    advantages,
+    mask,
+    M,
+    clip_low=3e-4,
+    clip_high=4e-4,
+    kl_coef=0.04,
+    ratio_level="sequence",
+    loss_agg="token-mean",
+    num_tokens=None,
+    num_seqs=None,
+):
     """TEPO loss (our reading), aggregated token-mean (loss_agg="seq-mean-token-mean": as
     GRPO). Copy it with k3_kl, token_mean, seq_mean_token_mean, carried_log_ratio (and kl_mask,
     entropy_change_c to build M); it needs nothing but torch.
@@ -249,8 +294,18 @@ def tepo_loss(logp, old_logp, kl_logp, advantages, mask, M,
 
 
 @torch.no_grad()
-def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3e-4,
-               clip_high=4e-4, ratio_level="sequence") -> dict:
+def tepo_stats(
+    logp,
+    old_logp,
+    kl_logp,
+    advantages,
+    mask,
+    M,
+    entropy,
+    clip_low=3e-4,
+    clip_high=4e-4,
+    ratio_level="sequence",
+) -> dict:
     """What to watch: the share of tokens the mask selects, their entropy against the others',
     the KL on them and on all tokens, the spread of sequence ratios, and the share of active
     clips. (Where the KL sits, by sign, position and mask, is tools/diagnostics.py's.)"""
@@ -263,13 +318,16 @@ def tepo_stats(logp, old_logp, kl_logp, advantages, mask, M, entropy, clip_low=3
     if rows.any():  # one sequence ratio per completion that has a token
         seq = torch.exp(carried_log_ratio(logp, old_logp, mask, "sequence")[:, 0][rows])
     kl = k3_kl(kl_logp, logp) if kl_logp is not None else torch.zeros_like(logp)
-    stats = {"mask_frac": M.sum() / n,
-             "masked_entropy": torch.where(M, entropy, 0.0).sum() / n_masked,
-             "other_entropy": torch.where(other, entropy, 0.0).sum() / other.sum().clamp(min=1),
-             "seq_ratio_min": seq.min(), "seq_ratio_max": seq.max(),
-             "clip_frac": (clipped & m).sum() / n,
-             "masked_kl": torch.where(M, kl, 0.0).sum() / n_masked,
-             "kl": torch.where(m, kl, 0.0).sum() / n}
+    stats = {
+        "mask_frac": M.sum() / n,
+        "masked_entropy": torch.where(M, entropy, 0.0).sum() / n_masked,
+        "other_entropy": torch.where(other, entropy, 0.0).sum() / other.sum().clamp(min=1),
+        "seq_ratio_min": seq.min(),
+        "seq_ratio_max": seq.max(),
+        "clip_frac": (clipped & m).sum() / n,
+        "masked_kl": torch.where(M, kl, 0.0).sum() / n_masked,
+        "kl": torch.where(m, kl, 0.0).sum() / n,
+    }
     return {k: v.item() for k, v in stats.items()}
 
 
@@ -338,24 +396,53 @@ def train(args: Args) -> dict:
                         falls = c[mb] > 0
                     M = kl_mask(A, falls, m)  # TEPO: the token-level KL mask [b, T]
                     kl_mb = kl_logp[mb] if kl_logp is not None else None
-                    loss = tepo_loss(logp, old_logp[mb], kl_mb, A, m, M, args.clip_low,
-                                     args.clip_high, args.kl_coef, args.ratio_level, args.loss_agg,
-                                     num_tokens=num_tokens, num_seqs=len(mini))
+                    loss = tepo_loss(
+                        logp,
+                        old_logp[mb],
+                        kl_mb,
+                        A,
+                        m,
+                        M,
+                        args.clip_low,
+                        args.clip_high,
+                        args.kl_coef,
+                        args.ratio_level,
+                        args.loss_agg,
+                        num_tokens=num_tokens,
+                        num_seqs=len(mini),
+                    )
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     loss_sum += loss.item()
-                    stats.append(tepo_stats(logp, old_logp[mb], kl_mb, A, m, M, old_entropy[mb],
-                                            args.clip_low, args.clip_high, args.ratio_level))
-                    run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=kl_mb,
-                                M=M)
-                step_stats = common.optimizer_step(optimizer, scheduler, params, args.max_grad_norm,
-                                                   loss_sum)
+                    stats.append(
+                        tepo_stats(
+                            logp,
+                            old_logp[mb],
+                            kl_mb,
+                            A,
+                            m,
+                            M,
+                            old_entropy[mb],
+                            args.clip_low,
+                            args.clip_high,
+                            args.ratio_level,
+                        )
+                    )
+                    run.observe(
+                        "update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=kl_mb, M=M
+                    )
+                step_stats = common.optimizer_step(
+                    optimizer, scheduler, params, args.max_grad_norm, loss_sum
+                )
                 stats.append({"loss": loss_sum, **step_stats})
         clock.lap("update")
 
         # 5. Metrics, samples, held-out evaluation, checkpoint
-        metrics = {**rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
-                   **common.reduce_stats(stats), "lr": scheduler.get_last_lr()[0],
-                   **clock.metrics(tokens=batch["mask"].sum().item())}
+        metrics = {
+            **rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
+            **common.reduce_stats(stats),
+            "lr": scheduler.get_last_lr()[0],
+            **clock.metrics(tokens=batch["mask"].sum().item()),
+        }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
             shown = {"entropy": old_entropy, "c": c}  # TEPO: c, and the mask when known at sampling
@@ -403,8 +490,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype,
-                                                     trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
     except Exception as e:  # a truncated safetensors file, a missing folder, a hub error
         raise UserError(f"cannot load model {name!r} ({base}): {common.first_line(e)}") from None
     # the log-prob pass reads logits as lm_head(last hidden state): a model that rescales or
@@ -413,13 +501,15 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
         x = torch.arange(3)[None]
         direct = model.get_output_embeddings()(model.get_decoder()(input_ids=x).last_hidden_state)
         if not torch.allclose(model(input_ids=x).logits, direct, rtol=1e-4, atol=1e-4):
-            raise UserError(f"model {name!r} transforms its logits after the output layer (e.g. "
-                            "soft-capping or a logit scale), which this script's chunked log-prob "
-                            "pass does not reproduce")
+            raise UserError(
+                f"model {name!r} transforms its logits after the output layer (e.g. "
+                "soft-capping or a logit scale), which this script's chunked log-prob "
+                "pass does not reproduce"
+            )
     own = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=own.eos_token_id,
-                                               pad_token_id=own.pad_token_id,
-                                               bos_token_id=own.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id, bos_token_id=own.bos_token_id
+    )
     for m in model.modules():  # no dropout: the ratio must be exactly 1 before the first update
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -449,12 +539,19 @@ def add_lora(model, base: str, args, adapter: str | None = None):
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
         else:
-            config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                target_modules=targets, task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
             model = get_peft_model(model, config)
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # nothing matched, or PEFT failed
-        raise UserError(f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
-                        f"{args.lora_target_modules}): {common.first_line(e)}") from None
+        raise UserError(
+            f"cannot add LoRA adapters to {args.model!r} (--lora-target-modules "
+            f"{args.lora_target_modules}): {common.first_line(e)}"
+        ) from None
     if Path(base).is_dir():  # the checkpoint names its base by full path: eval.py finds it anywhere
         model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     for p in model.parameters():
@@ -478,12 +575,14 @@ class AdapterOff:
         def without_adapters(**inputs):
             with self.policy.disable_adapter():
                 return self.policy.get_decoder()(**inputs)
+
         return without_adapters
 
     def get_output_embeddings(self):
         def without_adapters(h):
             with self.policy.disable_adapter():
                 return self.policy.get_output_embeddings()(h)
+
         return without_adapters
 
 
@@ -524,11 +623,15 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
     if not kept:
-        raise UserError(f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
-                        f"(context - max_new_tokens); lower --max-new-tokens")
+        raise UserError(
+            f"every prompt of {dataset!r} is longer than {max_prompt_tokens} tokens "
+            f"(context - max_new_tokens); lower --max-new-tokens"
+        )
     if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
-              f"{max_prompt_tokens} tokens")
+        print(
+            f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+            f"{max_prompt_tokens} tokens"
+        )
     return kept
 
 
@@ -536,13 +639,17 @@ def load_data(args, tokenizer, ctx: int):
     """Training and held-out prompts, checked before any model loads (file, columns, non-empty,
     prompt + completion within the model's context)."""
     if args.max_new_tokens >= ctx:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
-                        f"this model's {ctx}-token context")
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+            f"this model's {ctx}-token context"
+        )
     max_prompt = args.max_prompt_tokens or ctx - args.max_new_tokens
     if max_prompt + args.max_new_tokens > ctx:
-        raise UserError(f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
-                        f"{args.max_new_tokens} "
-                        f"exceed this model's {ctx}-token context")
+        raise UserError(
+            f"--max-prompt-tokens {max_prompt} + --max-new-tokens "
+            f"{args.max_new_tokens} "
+            f"exceed this model's {ctx}-token context"
+        )
     train_rows = load_prompts(args.dataset, "train", tokenizer, args, max_prompt)
     if args.eval_dataset == "none":
         print("no held-out evaluation (--eval-dataset none)")
@@ -566,8 +673,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
-    return [tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]
+    return [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())
+    ]
 
 
 @torch.no_grad()
@@ -578,25 +687,40 @@ def generate_rollouts(model, tokenizer, prompts: list[str], G: int, args, eos_id
     prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)  # [B, Tp]
     gen_cfg = GenerationConfig(  # every sampling setting written out: nothing else shapes it
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=0,
         max_new_tokens=args.max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
     model.eval()
     chunks, n = [], args.gen_batch_size or len(prompt_ids)
     for i in range(0, len(prompt_ids), n):
         with autocast(args):
-            out = model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                 generation_config=gen_cfg)
-        chunks.append(out[:, prompt_ids.shape[1]:])
+            out = model.generate(
+                input_ids=prompt_ids[i : i + n],
+                attention_mask=prompt_mask[i : i + n],
+                generation_config=gen_cfg,
+            )
+        chunks.append(out[:, prompt_ids.shape[1] :])
     T = max(c.shape[1] for c in chunks)
     padded = [F.pad(c, (0, T - c.shape[1]), value=tokenizer.pad_token_id) for c in chunks]
     completion_ids = torch.cat(padded)  # [B, T]
     mask = completion_mask(completion_ids, eos_ids)  # [B, T]
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)
     texts = decode_completions(tokenizer, completion_ids, mask)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                mask=mask, truncated=truncated, texts=texts,
-                prompts=[p for p in prompts for _ in range(G)])
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        mask=mask,
+        truncated=truncated,
+        texts=texts,
+        prompts=[p for p in prompts for _ in range(G)],
+    )
 
 
 def model_inputs(batch, rows):
@@ -643,16 +767,29 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
-    h = hidden[:, -T - 1:-1][valid]  # [N, H]: position t predicts completion token t + 1
+        hidden = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
     lm_head, outs = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (h[i:i + chunk], lm_head, ids[valid][i:i + chunk], args.temperature,
-                  with_entropy, extra)
+        args_i = (
+            h[i : i + chunk],
+            lm_head,
+            ids[valid][i : i + chunk],
+            args.temperature,
+            with_entropy,
+            extra,
+        )
         with autocast(args):
-            outs.append(checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                        if torch.is_grad_enabled() else _logp_entropy_chunk(*args_i))
+            outs.append(
+                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
+                if torch.is_grad_enabled()
+                else _logp_entropy_chunk(*args_i)
+            )
 
     def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
         if outs and outs[0][k] is None:
@@ -661,6 +798,7 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
         full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
         zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
         return zeros.masked_scatter(full, flat)
+
     return scatter(0), scatter(1), scatter(2)
 
 
@@ -678,6 +816,7 @@ def batch_logps(model, batch: dict, args, extra=None):
 
     def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
         return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
+
     return joined(0), joined(1), joined(2)
 
 
@@ -687,22 +826,34 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
     """Held-out accuracy, greedy and sampled at the training temperature, and the share cut off."""
     out = {}
     for name, sample in (("greedy", False), ("sampled", True)):
-        cfg = GenerationConfig(do_sample=sample, temperature=args.temperature if sample else None,
-                               top_p=args.top_p if sample else None, top_k=0 if sample else None,
-                               max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids,
-                               pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        cfg = GenerationConfig(
+            do_sample=sample,
+            temperature=args.temperature if sample else None,
+            top_p=args.top_p if sample else None,
+            top_k=0 if sample else None,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+        )
         correct, cut, n = 0, 0, args.gen_batch_size or 128
         model.eval()
         chunks = range(0, len(problems), n)
         for i in tqdm(chunks, desc=f"eval ({name})", leave=False, dynamic_ncols=True):
-            chunk = problems[i:i + n]
-            enc = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
+            chunk = problems[i : i + n]
+            enc = tokenizer(
+                [p["prompt"] for p in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(device)
             with autocast(args):
-                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1]:]
+                ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
-            grades = [tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
-                      for t, p in zip(texts, chunk)]
+            grades = [
+                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                for t, p in zip(texts, chunk)
+            ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
@@ -719,13 +870,17 @@ def show_samples(step, batch, rewards, k=2):
 def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
     m = batch["mask"].bool()
     zero_std = rewards.view(-1, G).std(1) == 0  # [P]: groups that teach nothing
-    return {"reward": rewards.mean().item(), "accuracy": correct.mean().item(),
-            "unparsable_frac": 1 - parsed.mean().item(),
-            "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
-            "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
-            "completions": len(m), "completion_len": m.sum(1).float().mean().item(),
-            "completion_len_max": m.sum(1).max().item() if len(m) else 0,
-            "truncated_frac": batch["truncated"].float().mean().item()}
+    return {
+        "reward": rewards.mean().item(),
+        "accuracy": correct.mean().item(),
+        "unparsable_frac": 1 - parsed.mean().item(),
+        "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
+        "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
+        "completions": len(m),
+        "completion_len": m.sum(1).float().mean().item(),
+        "completion_len_max": m.sum(1).max().item() if len(m) else 0,
+        "truncated_frac": batch["truncated"].float().mean().item(),
+    }
 
 
 def main(argv=None):

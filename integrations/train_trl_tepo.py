@@ -66,53 +66,104 @@ from integrations.trl_trainers import TEPOConfig, TEPOTrainer  # noqa: E402
 
 @dataclass
 class ScriptArgs:
-    model: str = field(default="tiny", metadata={
-        "help": "'tiny' (bundled), a hub id, a short Qwen name, or a local folder"})
-    dataset: str | None = field(default=None, metadata={
-        "help": "tiny, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file "
-                "(default: tiny for the tiny model, else dapo-math)"})
-    problem_column: str | None = field(default=None, metadata={
-        "help": "column holding the problem (default: known, else 'problem')"})
-    answer_column: str | None = field(default=None, metadata={
-        "help": "column holding the answer (default: known, else 'answer')"})
-    template: str | None = field(default=None,
-                                 metadata={"help": "prompt template: qwen_math, tiny, plain or "
-                                           "chat (default: tiny for the tiny model)"})
-    answer_extraction: str = field(default="boxed", metadata={
-        "help": "final answer: the last \\boxed{}, or math-verify's own extraction from free text",
-        "choices": list(common.ANSWER_EXTRACTIONS)})
-    grader_timeout: int = field(default=5, metadata={
-        "help": "seconds allowed per answer parse / comparison"})
-    max_prompt_tokens: int | None = field(default=None, metadata={
-        "help": "longer prompts are dropped (default: context - max_completion_length)"})
-    lora_rank: int = field(default=0,
-                           metadata={"help": "LoRA rank: train adapters on a frozen base (TRL's "
-                                     "peft_config); TRL's reference is then the base with the "
-                                     "adapters off. 0 = full fine-tuning"})
-    lora_alpha: float = field(default=32.0,
-                              metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
-    lora_target_modules: str = field(default="all-linear", metadata={
-        "help": "all-linear (every linear layer of the transformer blocks) or a comma list of "
-                "module names"})
+    model: str = field(
+        default="tiny",
+        metadata={"help": "'tiny' (bundled), a hub id, a short Qwen name, or a local folder"},
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "tiny, math, dapo-math, a hub id, or a .jsonl/.json/.parquet file "
+            "(default: tiny for the tiny model, else dapo-math)"
+        },
+    )
+    problem_column: str | None = field(
+        default=None,
+        metadata={"help": "column holding the problem (default: known, else 'problem')"},
+    )
+    answer_column: str | None = field(
+        default=None, metadata={"help": "column holding the answer (default: known, else 'answer')"}
+    )
+    template: str | None = field(
+        default=None,
+        metadata={
+            "help": "prompt template: qwen_math, tiny, plain or "
+            "chat (default: tiny for the tiny model)"
+        },
+    )
+    answer_extraction: str = field(
+        default="boxed",
+        metadata={
+            "help": "final answer: the last \\boxed{}, or math-verify's own extraction from "
+            "free text",
+            "choices": list(common.ANSWER_EXTRACTIONS),
+        },
+    )
+    grader_timeout: int = field(
+        default=5, metadata={"help": "seconds allowed per answer parse / comparison"}
+    )
+    max_prompt_tokens: int | None = field(
+        default=None,
+        metadata={"help": "longer prompts are dropped (default: context - max_completion_length)"},
+    )
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "LoRA rank: train adapters on a frozen base (TRL's "
+            "peft_config); TRL's reference is then the base with the "
+            "adapters off. 0 = full fine-tuning"
+        },
+    )
+    lora_alpha: float = field(
+        default=32.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"}
+    )
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={
+            "help": "all-linear (every linear layer of the transformer blocks) or a comma list of "
+            "module names"
+        },
+    )
 
 
 # TRL defaults that differ from tepo.py's presets. Tiny: tepo.py's tiny preset (16 prompts x 8,
 # 2 optimizer steps per rollout batch), CPU-friendly, 10 optimizer steps. Real: lr warm-up then
 # constant and 3000-token completions; the batch geometry is given on the command line.
-TINY_DEFAULTS = dict(output_dir="runs/trl-tepo-tiny", per_device_train_batch_size=64,
-                     num_generations=8, steps_per_generation=2, gradient_accumulation_steps=1,
-                     max_completion_length=40, learning_rate=2e-4, lr_scheduler_type="constant",
-                     max_steps=10, logging_steps=1, bf16=False, gradient_checkpointing=False,
-                     save_strategy="no", report_to="none", seed=1)
-REAL_DEFAULTS = dict(max_completion_length=3000, lr_scheduler_type="constant_with_warmup",
-                     warmup_steps=10, logging_steps=1, seed=1)
+TINY_DEFAULTS = dict(
+    output_dir="runs/trl-tepo-tiny",
+    per_device_train_batch_size=64,
+    num_generations=8,
+    steps_per_generation=2,
+    gradient_accumulation_steps=1,
+    max_completion_length=40,
+    learning_rate=2e-4,
+    lr_scheduler_type="constant",
+    max_steps=10,
+    logging_steps=1,
+    bf16=False,
+    gradient_checkpointing=False,
+    save_strategy="no",
+    report_to="none",
+    seed=1,
+)
+REAL_DEFAULTS = dict(
+    max_completion_length=3000,
+    lr_scheduler_type="constant_with_warmup",
+    warmup_steps=10,
+    logging_steps=1,
+    seed=1,
+)
 
 
 def correctness_reward(extraction: str, timeout_s: int):
     """TRL reward function: 1.0 if the completion's final answer equals the `answer` column."""
+
     def correctness(completions, answer, **kwargs):
-        return [float(tasks.grade(c, a, timeout_s, extraction).correct)
-                for c, a in zip(completions, answer)]
+        return [
+            float(tasks.grade(c, a, timeout_s, extraction).correct)
+            for c, a in zip(completions, answer)
+        ]
+
     return correctness
 
 
@@ -133,17 +184,26 @@ def parse(argv=None) -> tuple[ScriptArgs, TEPOConfig]:
 
 def load_prompts(script: ScriptArgs, tokenizer, max_prompt_tokens: int) -> Dataset:
     """{'prompt', 'answer'} rows; prompts over max_prompt_tokens are dropped and counted."""
-    rows = tasks.load_problems(script.dataset, "train", problem_column=script.problem_column,
-                                answer_column=script.answer_column)
+    rows = tasks.load_problems(
+        script.dataset,
+        "train",
+        problem_column=script.problem_column,
+        answer_column=script.answer_column,
+    )
     prompts = [tasks.build_prompt(tokenizer, r["problem"], script.template) for r in rows]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    kept = [dict(prompt=p, answer=r["answer"]) for p, r, n in zip(prompts, rows, lengths)
-            if n <= max_prompt_tokens]
+    kept = [
+        dict(prompt=p, answer=r["answer"])
+        for p, r, n in zip(prompts, rows, lengths)
+        if n <= max_prompt_tokens
+    ]
     if not kept:
         raise common.UserError(f"every prompt is longer than {max_prompt_tokens} tokens")
     if len(kept) < len(rows):
-        print(f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
-              f"{max_prompt_tokens} tokens")
+        print(
+            f"dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than "
+            f"{max_prompt_tokens} tokens"
+        )
     return Dataset.from_list(kept)
 
 
@@ -159,9 +219,13 @@ def lora_config(script: ScriptArgs):
     except ImportError:
         raise common.UserError("--lora_rank needs peft: pip install peft") from None
     t = script.lora_target_modules
-    return LoraConfig(r=script.lora_rank, lora_alpha=script.lora_alpha, lora_dropout=0.0,
-                      task_type="CAUSAL_LM", target_modules=t
-                      if t == "all-linear" else [x.strip() for x in t.split(",") if x.strip()])
+    return LoraConfig(
+        r=script.lora_rank,
+        lora_alpha=script.lora_alpha,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        target_modules=t if t == "all-linear" else [x.strip() for x in t.split(",") if x.strip()],
+    )
 
 
 def main(argv=None):
@@ -171,8 +235,9 @@ def main(argv=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # fp32 weights (bf16 autocast when --bf16): bf16 weights would round away lr=1e-6 updates
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 trust_remote_code=cfg.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code
+    )
     # stop at every end-of-turn id, as tepo.py does: Qwen's chat turns end in <|im_end|>
     eos_ids = tepo.eos_token_ids(model, tokenizer)
     model.generation_config.eos_token_id = eos_ids
@@ -181,10 +246,14 @@ def main(argv=None):
     ctx = getattr(model.config, "max_position_embeddings", None) or 1 << 20
     max_prompt = script.max_prompt_tokens or ctx - cfg.max_completion_length
     train = load_prompts(script, tokenizer, max_prompt)
-    trainer = TEPOTrainer(model=model, args=cfg, train_dataset=train, processing_class=tokenizer,
-                          reward_funcs=correctness_reward(script.answer_extraction,
-                                                          script.grader_timeout),
-                          peft_config=lora_config(script))
+    trainer = TEPOTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=train,
+        processing_class=tokenizer,
+        reward_funcs=correctness_reward(script.answer_extraction, script.grader_timeout),
+        peft_config=lora_config(script),
+    )
     trainer.train()
     trainer.save_model(cfg.output_dir)
     return trainer

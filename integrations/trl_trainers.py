@@ -79,8 +79,13 @@ import tepo  # noqa: E402
 # Keys this module adds to TRL's batch dicts
 OLD_ENTROPY, ENTROPY_CHANGE = "old_entropy", "entropy_change_c"
 WINDOW_TOKENS, WINDOW_SEQS = "window_num_tokens", "window_num_seqs"
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids", "mm_token_type_ids",
-                   "num_images")
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "num_images",
+)
 C_CHUNK = 256  # positions per lm_head call for c: 256 x 152k vocab x 4 B = 156 MB per copy
 
 
@@ -98,14 +103,16 @@ def _refuse_unused_options(cfg: GRPOConfig, loss_type: str) -> None:
         "entropy_coef": cfg.entropy_coef != 0.0,
         "use_adaptive_entropy": cfg.use_adaptive_entropy,
         "use_bias_correction_kl": cfg.use_bias_correction_kl,
-        "vllm_importance_sampling_correction":
-            cfg.use_vllm and cfg.vllm_importance_sampling_correction,
+        "vllm_importance_sampling_correction": cfg.use_vllm
+        and cfg.vllm_importance_sampling_correction,
     }
     bad = [k for k, v in unused.items() if v]
     if bad:
-        raise ValueError(f"{type(cfg).__name__}: {', '.join(bad)} change TRL's own loss, which "
-                         f"this trainer replaces; leave them at their defaults "
-                         f"(loss_type='{loss_type}')")
+        raise ValueError(
+            f"{type(cfg).__name__}: {', '.join(bad)} change TRL's own loss, which "
+            f"this trainer replaces; leave them at their defaults "
+            f"(loss_type='{loss_type}')"
+        )
 
 
 @dataclass
@@ -113,58 +120,103 @@ class TEPOConfig(GRPOConfig):
     """GRPOConfig plus TEPO's flags (tepo.py's, same names and defaults). TRL's beta is not TEPO's
     KL coefficient: it is set from kl_coef / kl_target and only tells TRL to load the reference."""
 
-    epsilon: float = field(default=3e-4,
-                           metadata={"help": "TEPO --clip-low: the ratio is clipped below at 1 - "
-                                     "epsilon (our reading: GSPO's range for a sequence ratio; "
-                                     "with ratio_level token pass 0.2)"})
-    epsilon_high: float | None = field(default=4e-4,
-                                       metadata={"help": "TEPO --clip-high: the ratio is clipped "
-                                                 "above at 1 + epsilon_high (our reading: GSPO's "
-                                                 "range; with ratio_level token pass 0.28)"})
-    disable_dropout: bool = field(default=True, metadata={
-        "help": "no dropout: the ratio must be exactly 1 before the first update"})
-    vllm_importance_sampling_correction: bool = field(default=False, metadata={
-        "help": "not supported by TEPO's loss (must stay False)"})
-    use_bias_correction_kl: bool = field(default=False, metadata={
-        "help": "not used by TEPO's loss, whose k3 KL has no ratio weight (must stay False)"})
-    ratio_level: str = field(default="sequence", metadata={
-        "help": "sequence: the geometric-mean ratio carried to every token (our reading of TEPO); "
-                "token: per-token ratios", "choices": ["sequence", "token"]})
-    entropy_test: str = field(default="predicted", metadata={
-        "help": "KL mask's 'entropy decreasing': predicted from the sign of c (our reading of "
-                "Lemma 3.2) or observed since sampling", "choices": ["predicted", "observed"]})
-    entropy_tol: float | None = field(default=None, metadata={
-        "help": "observed test: the entropy must have fallen by more than this (default 1e-3, "
-                "0.05 under bf16: above recomputation noise)"})
-    kl_target: str = field(default="ref", metadata={
-        "help": "the masked KL pulls towards ref (the starting model) or old (the sampling policy)",
-        "choices": ["ref", "old"]})
-    kl_coef: float = field(default=0.04, metadata={
-        "help": "coefficient of the masked KL term (our reading: GRPO's beta)"})
-    loss_agg: str = field(default="token-mean",
-                          metadata={"help": "token-mean over the optimizer step's tokens (our "
-                                    "reading), or GRPO's seq-mean-token-mean (not adopted)",
-                                    "choices": ["token-mean", "seq-mean-token-mean"]})
+    epsilon: float = field(
+        default=3e-4,
+        metadata={
+            "help": "TEPO --clip-low: the ratio is clipped below at 1 - "
+            "epsilon (our reading: GSPO's range for a sequence ratio; "
+            "with ratio_level token pass 0.2)"
+        },
+    )
+    epsilon_high: float | None = field(
+        default=4e-4,
+        metadata={
+            "help": "TEPO --clip-high: the ratio is clipped "
+            "above at 1 + epsilon_high (our reading: GSPO's "
+            "range; with ratio_level token pass 0.28)"
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "no dropout: the ratio must be exactly 1 before the first update"},
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "not supported by TEPO's loss (must stay False)"}
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "not used by TEPO's loss, whose k3 KL has no ratio weight (must stay False)"
+        },
+    )
+    ratio_level: str = field(
+        default="sequence",
+        metadata={
+            "help": "sequence: the geometric-mean ratio carried to every token (our reading of "
+            "TEPO); token: per-token ratios",
+            "choices": ["sequence", "token"],
+        },
+    )
+    entropy_test: str = field(
+        default="predicted",
+        metadata={
+            "help": "KL mask's 'entropy decreasing': predicted from the sign of c (our reading of "
+            "Lemma 3.2) or observed since sampling",
+            "choices": ["predicted", "observed"],
+        },
+    )
+    entropy_tol: float | None = field(
+        default=None,
+        metadata={
+            "help": "observed test: the entropy must have fallen by more than this (default 1e-3, "
+            "0.05 under bf16: above recomputation noise)"
+        },
+    )
+    kl_target: str = field(
+        default="ref",
+        metadata={
+            "help": "the masked KL pulls towards ref (the starting model) or old (the sampling "
+            "policy)",
+            "choices": ["ref", "old"],
+        },
+    )
+    kl_coef: float = field(
+        default=0.04,
+        metadata={"help": "coefficient of the masked KL term (our reading: GRPO's beta)"},
+    )
+    loss_agg: str = field(
+        default="token-mean",
+        metadata={
+            "help": "token-mean over the optimizer step's tokens (our "
+            "reading), or GRPO's seq-mean-token-mean (not adopted)",
+            "choices": ["token-mean", "seq-mean-token-mean"],
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
         _refuse_unused_options(self, "dapo")
         need_ref = self.kl_coef > 0 and self.kl_target == "ref"
+        level, test, target, agg = (
+            self.ratio_level,
+            self.entropy_test,
+            self.kl_target,
+            self.loss_agg,
+        )
+        tol = self.entropy_tol
         checks = {
-            f"ratio_level must be 'sequence' or 'token', not {self.ratio_level!r}":
-                self.ratio_level in ("sequence", "token"),
-            f"entropy_test must be 'predicted' or 'observed', not {self.entropy_test!r}":
-                self.entropy_test in ("predicted", "observed"),
-            f"kl_target must be 'ref' or 'old', not {self.kl_target!r}":
-                self.kl_target in ("ref", "old"),
-            f"loss_agg must be 'token-mean' or 'seq-mean-token-mean', not {self.loss_agg!r}":
-                self.loss_agg in ("token-mean", "seq-mean-token-mean"),
+            f"ratio_level must be 'sequence' or 'token', not {level!r}": level
+            in ("sequence", "token"),
+            f"entropy_test must be 'predicted' or 'observed', not {test!r}": test
+            in ("predicted", "observed"),
+            f"kl_target must be 'ref' or 'old', not {target!r}": target in ("ref", "old"),
+            f"loss_agg must be 'token-mean' or 'seq-mean-token-mean', not {agg!r}": agg
+            in ("token-mean", "seq-mean-token-mean"),
             f"kl_coef must be >= 0, not {self.kl_coef}": self.kl_coef >= 0,
             f"epsilon (clip low) must be in [0, 1), not {self.epsilon}": 0 <= self.epsilon < 1,
-            f"entropy_tol must be >= 0, not {self.entropy_tol}":
-                self.entropy_tol is None or self.entropy_tol >= 0,
-            f"TEPO's KL coefficient is kl_coef; leave beta unset (got beta={self.beta})":
-                self.beta in (0.0, self.kl_coef if need_ref else 0.0),
+            f"entropy_tol must be >= 0, not {tol}": tol is None or tol >= 0,
+            f"TEPO's KL coefficient is kl_coef; leave beta unset (got beta={self.beta})": self.beta
+            in (0.0, self.kl_coef if need_ref else 0.0),
         }
         for msg, ok in checks.items():
             if not ok:
@@ -182,42 +234,70 @@ class ERPOConfig(GRPOConfig):
     coefficient; it must be > 0 here, since TRL loads the reference model, which ERPO's progress
     signal needs, only then (erpo.py loads it even at beta 0)."""
 
-    beta: float = field(default=0.04, metadata={
-        "help": "KL coefficient (> 0: see the class docstring)"})
-    loss_type: str = field(default="grpo", metadata={
-        "help": "label only: ERPO's loss is seq-mean-token-mean, TRL's 'grpo' aggregation"})
-    disable_dropout: bool = field(default=True, metadata={
-        "help": "no dropout: the ratio must be exactly 1 before the first update"})
-    vllm_importance_sampling_correction: bool = field(default=False, metadata={
-        "help": "not supported by ERPO's loss (must stay False)"})
-    use_bias_correction_kl: bool = field(default=False, metadata={
-        "help": "not used by ERPO's loss, whose k3 KL has no ratio weight (must stay False)"})
-    gate_gamma: float = field(default=5.0, metadata={
-        "help": "gamma, sharpness of the entropy gate sigmoid(gamma * group-normalised entropy) "
-                "(our reading)"})
-    num_buckets: int = field(default=10, metadata={
-        "help": "K, relative-position buckets in which the progress signal is normalised "
-                "(our reading)"})
-    synthesis: str = field(default="gated", metadata={
-        "help": "token advantage (our reading): gated A_i * (1 + W) + eta * Psi, or additive "
-                "A_i + eta * Psi", "choices": ["gated", "additive"]})
-    eta: float = field(default=0.2, metadata={
-        "help": "weight of the progress term Psi in the token advantage (our reading)"})
+    beta: float = field(
+        default=0.04, metadata={"help": "KL coefficient (> 0: see the class docstring)"}
+    )
+    loss_type: str = field(
+        default="grpo",
+        metadata={
+            "help": "label only: ERPO's loss is seq-mean-token-mean, TRL's 'grpo' aggregation"
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "no dropout: the ratio must be exactly 1 before the first update"},
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "not supported by ERPO's loss (must stay False)"}
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "not used by ERPO's loss, whose k3 KL has no ratio weight (must stay False)"
+        },
+    )
+    gate_gamma: float = field(
+        default=5.0,
+        metadata={
+            "help": "gamma, sharpness of the entropy gate sigmoid(gamma * group-normalised "
+            "entropy) (our reading)"
+        },
+    )
+    num_buckets: int = field(
+        default=10,
+        metadata={
+            "help": "K, relative-position buckets in which the progress signal is normalised "
+            "(our reading)"
+        },
+    )
+    synthesis: str = field(
+        default="gated",
+        metadata={
+            "help": "token advantage (our reading): gated A_i * (1 + W) + eta * Psi, or additive "
+            "A_i + eta * Psi",
+            "choices": ["gated", "additive"],
+        },
+    )
+    eta: float = field(
+        default=0.2,
+        metadata={"help": "weight of the progress term Psi in the token advantage (our reading)"},
+    )
 
     def __post_init__(self):
         super().__post_init__()
         _refuse_unused_options(self, "grpo")
+        beta, high = self.beta, self.epsilon_high
         checks = {
-            f"ERPO needs the reference model, which TRL loads only when beta > 0 (got {self.beta})":
-                self.beta > 0,
-            f"ERPO clips at 1 +- epsilon; leave epsilon_high unset, not {self.epsilon_high}":
-                self.epsilon_high in (None, self.epsilon),
+            f"ERPO needs the reference model, which TRL loads only when beta > 0 (got {beta})": beta
+            > 0,
+            f"ERPO clips at 1 +- epsilon; leave epsilon_high unset, not {high}": high
+            in (None, self.epsilon),
             f"epsilon must be in [0, 1), not {self.epsilon}": 0 <= self.epsilon < 1,
             f"gate_gamma must be >= 0, not {self.gate_gamma}": self.gate_gamma >= 0,
             f"num_buckets must be at least 1, not {self.num_buckets}": self.num_buckets >= 1,
             f"eta must be >= 0, not {self.eta}": self.eta >= 0,
-            f"synthesis must be 'gated' or 'additive', not {self.synthesis!r}":
-                self.synthesis in ("gated", "additive"),
+            f"synthesis must be 'gated' or 'additive', not {self.synthesis!r}": self.synthesis
+            in ("gated", "additive"),
         }
         for msg, ok in checks.items():
             if not ok:
@@ -246,16 +326,24 @@ def window_sizes(masks: list[torch.Tensor], accumulation_steps: int) -> torch.Te
     [[9.0, 4.0], [6.0, 4.0]]
     """
     if len(masks) % accumulation_steps:
-        raise ValueError(f"{len(masks)} micro-batches per generation batch do not split into "
-                         f"optimizer steps of {accumulation_steps}: make steps_per_generation a "
-                         f"multiple of gradient_accumulation_steps")
-    per_mb = torch.stack([torch.stack([m.sum().float(), m.new_tensor(len(m), dtype=torch.float32)])
-                          for m in masks])  # [n, 2]
+        raise ValueError(
+            f"{len(masks)} micro-batches per generation batch do not split into "
+            f"optimizer steps of {accumulation_steps}: make steps_per_generation a "
+            f"multiple of gradient_accumulation_steps"
+        )
+    per_mb = torch.stack(
+        [torch.stack([m.sum().float(), m.new_tensor(len(m), dtype=torch.float32)]) for m in masks]
+    )  # [n, 2]
     return per_mb.view(-1, accumulation_steps, 2).sum(1)
 
 
-def entropy_change_at(hidden: torch.Tensor, ids: torch.Tensor, lm_head: torch.nn.Module,
-                      temperature: float, chunk: int = C_CHUNK) -> torch.Tensor:
+def entropy_change_at(
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    lm_head: torch.nn.Module,
+    temperature: float,
+    chunk: int = C_CHUNK,
+) -> torch.Tensor:
     """[N, H] hidden states at N valid positions, [N] the ids sampled there -> tepo.entropy_change_c
     of logits / temperature [N], the output layer run `chunk` positions at a time (the [N, V]
     logits are never built whole). The weight is gathered as TRL's own fused head does (FSDP2
@@ -267,8 +355,8 @@ def entropy_change_at(hidden: torch.Tensor, ids: torch.Tensor, lm_head: torch.nn
     with maybe_gather_lm_head_ctx(weight, bias):
         parts = []
         for i in range(0, len(hidden), chunk):
-            logits = F.linear(hidden[i:i + chunk].to(weight.dtype), weight, bias).float()
-            parts.append(tepo.entropy_change_c(logits / temperature, ids[i:i + chunk]))
+            logits = F.linear(hidden[i : i + chunk].to(weight.dtype), weight, bias).float()
+            parts.append(tepo.entropy_change_c(logits / temperature, ids[i : i + chunk]))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
@@ -295,19 +383,30 @@ class _ScriptObjectiveTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         spg, ga = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         if spg % ga:
-            raise ValueError(f"steps_per_generation ({spg}) must be a multiple of "
-                             f"gradient_accumulation_steps ({ga}): here an optimizer step may not "
-                             f"span two generation batches")
+            raise ValueError(
+                f"steps_per_generation ({spg}) must be a multiple of "
+                f"gradient_accumulation_steps ({ga}): here an optimizer step may not "
+                f"span two generation batches"
+            )
         self._counted = None  # the buffered generation batch whose windows were last counted
         if self.needs_entropy_change:
             cfg = self._policy().config.get_text_config()
-            scaled = [k for k in ("final_logit_softcapping", "logit_scale", "output_multiplier",
-                                  "lm_head_multiplier", "logits_scaling")
-                      if getattr(cfg, k, None) not in (None, 1.0)]
+            scaled = [
+                k
+                for k in (
+                    "final_logit_softcapping",
+                    "logit_scale",
+                    "output_multiplier",
+                    "lm_head_multiplier",
+                    "logits_scaling",
+                )
+                if getattr(cfg, k, None) not in (None, 1.0)
+            ]
             if scaled:
                 raise NotImplementedError(
                     f"entropy_test='predicted' computes c from lm_head(h) / temperature; this "
-                    f"model also applies {', '.join(scaled)} (use entropy_test='observed')")
+                    f"model also applies {', '.join(scaled)} (use entropy_test='observed')"
+                )
 
     def _policy(self):
         """The transformers model under any PEFT wrapper (the one TRL gave its fused head)."""
@@ -325,7 +424,7 @@ class _ScriptObjectiveTrainer(GRPOTrainer):
         def hook(module, args, kwargs, output):
             ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             valid = kwargs["attention_mask"][:, -K:].bool()  # [b, K]; TRL's labels: -100 elsewhere
-            h = output.last_hidden_state[:, -K - 1:-1][valid]  # position t predicts token t + 1
+            h = output.last_hidden_state[:, -K - 1 : -1][valid]  # position t predicts token t + 1
             c = entropy_change_at(h, ids[:, -K:][valid], lm_head, T)  # [N]
             out.append(c.new_zeros(valid.shape).masked_scatter(valid, c))
 
@@ -351,7 +450,8 @@ class _ScriptObjectiveTrainer(GRPOTrainer):
         no_ckpt = disable_gradient_checkpointing(self.model, a.gradient_checkpointing_kwargs)
         with torch.no_grad(), no_ckpt, capture:
             logp, entropy, _ = self._get_per_token_logps_and_entropies(
-                self.model, ids, attention_mask, K, batch_size=bs, compute_entropy=True)
+                self.model, ids, attention_mask, K, batch_size=bs, compute_entropy=True
+            )
         return logp, entropy, (torch.cat(cs) if with_c else None)
 
     def _generate_and_score_completions(self, inputs):
@@ -397,14 +497,21 @@ class _ScriptObjectiveTrainer(GRPOTrainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         logp, entropy, aux_loss = self._get_per_token_logps_and_entropies(
-            model, ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled)
+            model,
+            ids,
+            attention_mask,
+            inputs["completion_ids"].size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+        )
         loss, stats = self.objective_loss(logp, entropy, inputs)
         mode = "train" if self.model.training else "eval"
         self._log_stats(stats, mode)
         m = loss_mask(inputs).bool()
-        sums = self.accelerator.reduce(torch.stack([torch.where(m, entropy.detach(), 0.0).sum(),
-                                                    m.sum().float()]), reduction="sum")
+        sums = self.accelerator.reduce(
+            torch.stack([torch.where(m, entropy.detach(), 0.0).sum(), m.sum().float()]),
+            reduction="sum",
+        )
         self._metrics[mode]["entropy"].append((sums[0] / sums[1].clamp(min=1)).item())
         if self.aux_loss_enabled:  # MoE load balancing, scaled for accumulation as TRL does
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -452,11 +559,33 @@ class TEPOTrainer(_ScriptObjectiveTrainer):
         kl_logp = inputs.get("ref_per_token_logps") if a.kl_target == "ref" else old
         num_tokens = self._window_size(inputs, WINDOW_TOKENS, mask)
         num_seqs = self._window_size(inputs, WINDOW_SEQS, mask)
-        loss = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, self.epsilon_low, self.epsilon_high,
-                              a.kl_coef, a.ratio_level, a.loss_agg, num_tokens=num_tokens,
-                              num_seqs=num_seqs)
-        stats = tepo.tepo_stats(logp.detach(), old, kl_logp, A, mask, M, inputs[OLD_ENTROPY],
-                                self.epsilon_low, self.epsilon_high, a.ratio_level)
+        loss = tepo.tepo_loss(
+            logp,
+            old,
+            kl_logp,
+            A,
+            mask,
+            M,
+            self.epsilon_low,
+            self.epsilon_high,
+            a.kl_coef,
+            a.ratio_level,
+            a.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        stats = tepo.tepo_stats(
+            logp.detach(),
+            old,
+            kl_logp,
+            A,
+            mask,
+            M,
+            inputs[OLD_ENTROPY],
+            self.epsilon_low,
+            self.epsilon_high,
+            a.ratio_level,
+        )
         return loss, stats
 
 
@@ -497,8 +626,10 @@ class ERPOTrainer(_ScriptObjectiveTrainer):
         G = self.num_generations if mode == "train" else self.num_generations_eval
         b, T = out["completion_ids"].shape
         m = self._gather_rows(loss_mask(out))
-        old, H, ref = (self._gather_rows(out[k])
-                       for k in ("old_per_token_logps", OLD_ENTROPY, "ref_per_token_logps"))
+        old, H, ref = (
+            self._gather_rows(out[k])
+            for k in ("old_per_token_logps", OLD_ENTROPY, "ref_per_token_logps")
+        )
         A = self.accelerator.gather(out["advantages"])  # [b * processes]
         W = erpo.entropy_gate(H, m, G, a.gate_gamma)  # (i) the entropy gate
         s = erpo.progress_signal(old, ref, m)  # (ii) the progress signal, bucket-normalised
@@ -512,8 +643,18 @@ class ERPOTrainer(_ScriptObjectiveTrainer):
         mask, old = loss_mask(inputs), inputs["old_per_token_logps"]
         ref, A_it = inputs["ref_per_token_logps"], inputs["advantages"]
         num_seqs = self._window_size(inputs, WINDOW_SEQS, mask)
-        loss = erpo.erpo_loss(logp, old, ref, A_it, mask, self.epsilon_low, self.epsilon_low,
-                              self.beta, num_seqs=num_seqs)
-        stats = erpo.erpo_stats(logp.detach(), old, ref, A_it, mask, self.epsilon_low,
-                                self.epsilon_low)
+        loss = erpo.erpo_loss(
+            logp,
+            old,
+            ref,
+            A_it,
+            mask,
+            self.epsilon_low,
+            self.epsilon_low,
+            self.beta,
+            num_seqs=num_seqs,
+        )
+        stats = erpo.erpo_stats(
+            logp.detach(), old, ref, A_it, mask, self.epsilon_low, self.epsilon_low
+        )
         return loss, stats

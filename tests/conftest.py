@@ -16,12 +16,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads
     import torch
+
     torch.set_num_threads(int(_threads))
 
 
 @pytest.fixture(scope="session")
 def tiny_dir():
     import common
+
     assert (common.TINY_MODEL_DIR / "config.json").is_file(), "bundled tiny model is missing"
     return common.TINY_MODEL_DIR
 
@@ -30,6 +32,7 @@ def tiny_dir():
 def one_line_error(capsys):
     """one_line_error(main, argv): main(argv) exits 2 with no traceback; returns its last stderr
     line (progress bars may come before it), which starts with 'error: '."""
+
     def run(main, argv) -> str:
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -39,4 +42,5 @@ def one_line_error(capsys):
         last = err.strip().splitlines()[-1]
         assert last.startswith("error: "), err
         return last
+
     return run

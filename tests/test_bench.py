@@ -31,10 +31,35 @@ def _csv(path):
 # =====================================================================================
 def test_smoke_cli(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "1", "--warmup", "0",
-           "--no-trl", "--scripts", "grpo", "--prompts-per-step", "4", "--group-size", "2",
-           "--max-new-tokens", "16", "--curve-max-new-tokens", "8,16", "--curve-group-sizes", "2",
-           "--curve-prompts", "2", "--curve-steps", "1", "--profile-steps", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "bench.py"),
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--no-trl",
+        "--scripts",
+        "grpo",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--curve-max-new-tokens",
+        "8,16",
+        "--curve-group-sizes",
+        "2",
+        "--curve-prompts",
+        "2",
+        "--curve-steps",
+        "1",
+        "--profile-steps",
+        "1",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
@@ -48,9 +73,11 @@ def test_smoke_cli(tmp_path):
 
     # where the time goes: the four kinds of work, their shares, the machine's matmul peak
     assert "## Where a step's time goes" in md and "| matrix multiply |" in p.stdout
-    shares = [int(line.split("|")[3].strip().rstrip("%")) for line in md.splitlines()
-              if line.startswith(("| matrix multiply |", "| attention |", "| other ops |",
-                                  "| Python |"))]
+    shares = [
+        int(line.split("|")[3].strip().rstrip("%"))
+        for line in md.splitlines()
+        if line.startswith(("| matrix multiply |", "| attention |", "| other ops |", "| Python |"))
+    ]
     assert len(shares) == 4 and 97 <= sum(shares) <= 103  # rounded percentages of one step
     assert "A 2048^3 matrix multiply (fp32) runs at" in md
 
@@ -66,8 +93,12 @@ def test_smoke_cli(tmp_path):
     rows = _csv(out / "bench_curves.csv")
     knobs = ("prompts_per_step", "group_size", "max_new_tokens")
     points = [(r["sweep"], *(int(r[k]) for k in knobs)) for r in rows]
-    assert points == [("max_new_tokens", 4, 2, 8), ("max_new_tokens", 4, 2, 16),
-                      ("group_size", 4, 2, 16), ("prompts_per_step", 2, 2, 16)]
+    assert points == [
+        ("max_new_tokens", 4, 2, 8),
+        ("max_new_tokens", 4, 2, 16),
+        ("group_size", 4, 2, 16),
+        ("prompts_per_step", 2, 2, 16),
+    ]
     for r in rows:
         assert int(r["completions"]) == int(r["prompts_per_step"]) * int(r["group_size"])
         assert int(r["tokens"]) <= int(r["completions"]) * int(r["max_new_tokens"])
@@ -90,13 +121,15 @@ def test_estimate_only_and_bad_flags(capsys):
     bench.main(["--estimate-only"])
     text = capsys.readouterr().out
     assert "ESTIMATE, NOT MEASURED ON A GPU" in text and "| A100 80GB SXM | grpo | 256 |" in text
-    for argv, message in ((["--steps", "0"], "--steps must be at least 1"),
-                          (["--scripts", "grpo,nope"], "unknown script 'nope'"),
-                          (["--scripts", "grpo,grpo"], "distinct"),
-                          (["--curve-group-sizes", "2,x"], "comma list of integers"),
-                          (["--curve-prompts", "0"], "integers >= 1"),
-                          (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
-                          (["--device", "tpu"], "unknown --device")):
+    for argv, message in (
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--scripts", "grpo,nope"], "unknown script 'nope'"),
+        (["--scripts", "grpo,grpo"], "distinct"),
+        (["--curve-group-sizes", "2,x"], "comma list of integers"),
+        (["--curve-prompts", "0"], "integers >= 1"),
+        (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
+        (["--device", "tpu"], "unknown --device"),
+    ):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
@@ -106,11 +139,13 @@ def test_estimate_only_and_bad_flags(capsys):
 # =====================================================================================
 # Each script's step, as train() logs it and the benchmark reads it
 # =====================================================================================
-PHASES_OF = {"grpo": {"generate", "reward", "old_logp", "ref_logp", "update"},
-             "dapo": {"generate", "reward", "old_logp", "update"},
-             "tepo": {"generate", "reward", "old_logp", "ref_logp", "update"},
-             "erpo": {"generate", "reward", "old_logp", "ref_logp", "advantage", "update"},
-             "sapo": {"generate", "reward", "old_logp", "ref_logp", "advantage", "update"}}
+PHASES_OF = {
+    "grpo": {"generate", "reward", "old_logp", "ref_logp", "update"},
+    "dapo": {"generate", "reward", "old_logp", "update"},
+    "tepo": {"generate", "reward", "old_logp", "ref_logp", "update"},
+    "erpo": {"generate", "reward", "old_logp", "ref_logp", "advantage", "update"},
+    "sapo": {"generate", "reward", "old_logp", "ref_logp", "advantage", "update"},
+}
 
 
 @pytest.mark.parametrize("name", [s for s in bench.SCRIPTS if bench.script_available(s)])
@@ -119,8 +154,9 @@ def test_the_benchmark_runs_the_scripts_own_train(name):
     ones that script has, they add up to at most the step, and the work is the preset's."""
     args = bench.Args(prompts_per_step=4, group_size=4, max_new_tokens=32)
     seen = []
-    a, rows = bench.run_script(name, args, steps=1, warmup=1, on_step=lambda step,
-                               row: seen.append(step))
+    a, rows = bench.run_script(
+        name, args, steps=1, warmup=1, on_step=lambda step, row: seen.append(step)
+    )
     assert seen == [1, 2] and len(rows) == 1 and a.prompts_per_step == 4  # the warm-up is not kept
     r = rows[0]
     assert {p for p in bench.PHASES if r[p] > 0} == PHASES_OF[name], r
@@ -144,12 +180,18 @@ def test_a_failing_run_removes_the_hook():
 def test_op_breakdown_by_kind_with_hand_values():
     """Self times (microseconds) and FLOPs over 2 steps of 1 s each: per step, by kind; what the
     ops leave of the step is Python; GFLOP/s only for matrix multiplies."""
-    ev = [NS(key="aten::mm", self_cpu_time_total=400_000, flops=60e9, self_device_time_total=0),
-          NS(key="aten::addmm", self_cpu_time_total=200_000, flops=20e9, self_device_time_total=0),
-          NS(key="aten::_scaled_dot_product_flash_attention_for_cpu", self_cpu_time_total=200_000,
-             flops=0, self_device_time_total=0),
-          NS(key="aten::mul", self_cpu_time_total=600_000, flops=1e9, self_device_time_total=0),
-          NS(key="aten::linear", self_cpu_time_total=100_000, flops=None, self_device_time_total=0)]
+    ev = [
+        NS(key="aten::mm", self_cpu_time_total=400_000, flops=60e9, self_device_time_total=0),
+        NS(key="aten::addmm", self_cpu_time_total=200_000, flops=20e9, self_device_time_total=0),
+        NS(
+            key="aten::_scaled_dot_product_flash_attention_for_cpu",
+            self_cpu_time_total=200_000,
+            flops=0,
+            self_device_time_total=0,
+        ),
+        NS(key="aten::mul", self_cpu_time_total=600_000, flops=1e9, self_device_time_total=0),
+        NS(key="aten::linear", self_cpu_time_total=100_000, flops=None, self_device_time_total=0),
+    ]
     rows = {r["kind"]: r for r in bench.op_breakdown(ev, wall_s=2.0, steps=2, cuda=False)}
     assert list(rows) == ["matrix multiply", "attention", "other ops", "Python"]
     assert rows["matrix multiply"]["s"] == pytest.approx(0.3)
@@ -188,11 +230,16 @@ def test_trl_timer_on_a_fake_trainer():
         def f(*a, **k):
             time.sleep(seconds)
             return result
+
         return f
 
-    trainer = NS(ref_model=ref, _generate=slow((None, [[1, 2, 3], [4], [5, 6]])),
-                 _calculate_rewards=slow("r"), _generate_and_score_completions=None,
-                 _get_per_token_logps_and_entropies=slow("logps"))
+    trainer = NS(
+        ref_model=ref,
+        _generate=slow((None, [[1, 2, 3], [4], [5, 6]])),
+        _calculate_rewards=slow("r"),
+        _generate_and_score_completions=None,
+        _get_per_token_logps_and_entropies=slow("logps"),
+    )
 
     def prepare():  # TRL's order: generate, old and ref log-probs (no grad), rewards
         trainer._generate()
@@ -202,6 +249,7 @@ def test_trl_timer_on_a_fake_trainer():
         trainer._calculate_rewards()
         time.sleep(0.01)  # advantages and the rest
         return "batch"
+
     trainer._generate_and_score_completions = prepare
     timer = bench.TRLTimer(trainer, torch.device("cpu"))
     t0 = time.perf_counter()
@@ -219,15 +267,26 @@ def test_trl_timer_on_a_fake_trainer():
 
 
 def _row(step, completions=8, tokens=100, opt=2):
-    return {**{p: 0.1 for p in bench.PHASES}, "step": step, "tokens_per_s": tokens / step,
-            "completions": completions, "tokens": tokens, "decode_steps": 16,
-            "optimizer_steps": opt, "rounds": 1}
+    return {
+        **{p: 0.1 for p in bench.PHASES},
+        "step": step,
+        "tokens_per_s": tokens / step,
+        "completions": completions,
+        "tokens": tokens,
+        "decode_steps": 16,
+        "optimizer_steps": opt,
+        "rounds": 1,
+    }
 
 
 def test_trl_report_ratio_is_the_median_of_pairs():
     ok = {"same prompt token ids": True}
-    c = {"project": [_row(2.0), _row(4.0), _row(9.0)], "trl": [_row(1.0), _row(4.0), _row(3.0)],
-         "checks": ok, "config": {"beta": 0.04}}
+    c = {
+        "project": [_row(2.0), _row(4.0), _row(9.0)],
+        "trl": [_row(1.0), _row(4.0), _row(3.0)],
+        "checks": ok,
+        "config": {"beta": 0.04},
+    }
     text = bench.trl_report(c, "1.16.0")
     # per-pair ratios 2, 1, 3: median 2 (the ratio of the medians, 4 / 3, would be 1.33)
     assert "project/TRL step time: 2.00 (median over 3 interleaved steps)" in text
@@ -244,8 +303,10 @@ def test_script_table_rows():
     table = bench.script_table({"dapo": (NS(prompts_per_step=16, group_size=8), m)})
     head, rule, row = table.splitlines()
     assert head.count("|") == rule.count("|") == row.count("|") == 13
-    assert row == ("| dapo | 16 x 8 | 8 | 100 | 0.100 | 0.100 | 0.100 | - | - | 0.100 "
-                   "| 3.000 (2.000-7.000) | 33 |")
+    assert row == (
+        "| dapo | 16 x 8 | 8 | 100 | 0.100 | 0.100 | 0.100 | - | - | 0.100 "
+        "| 3.000 (2.000-7.000) | 33 |"
+    )
 
 
 def test_trl_config_rejects_partial_micro_batches():
@@ -258,9 +319,20 @@ def test_real_run_estimate_on_a_toy_model():
     """1e9 parameters, no embedding, one layer with one KV head of size 1 (4 bytes of K and V per
     token in bf16), 1 GB/s and 1e11 FLOP/s at 50%: every number below by hand."""
     toy = dict(params=1e9, embed=0, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1)
-    e = bench.real_run_estimate(P=1, G=2, max_new_tokens=10, gen_batch_size=2, mean_completion=5,
-                                prompt_len=0, ref=True, launch_s=0.02, mfu=0.5, bandwidth=1e9,
-                                flops=1e11, model=toy)
+    e = bench.real_run_estimate(
+        P=1,
+        G=2,
+        max_new_tokens=10,
+        gen_batch_size=2,
+        mean_completion=5,
+        prompt_len=0,
+        ref=True,
+        launch_s=0.02,
+        mfu=0.5,
+        bandwidth=1e9,
+        flops=1e11,
+        model=toy,
+    )
     # decode step: (2 bytes x 1e9 weights + 3 x KV of 2 rows x 5 mean positions x 4 B) / 1e9 B/s
     assert e["memory_step_s"] == pytest.approx((2e9 + 3 * 40) / 1e9)
     assert e["decode_step_s"] == e["memory_step_s"]  # above the 20 ms launch floor
@@ -269,12 +341,29 @@ def test_real_run_estimate_on_a_toy_model():
     assert e["train_s"] == pytest.approx(6 * (20 * 2e9 + 10 * 2) / 5e10)
     assert e["tokens_per_s"] == pytest.approx(10 / (e["generate_s"] + e["train_s"]))
     # launch-bound: a faster memory changes nothing; a critic adds 5 passes
-    fast = bench.real_run_estimate(P=1, G=2, max_new_tokens=10, gen_batch_size=2, prompt_len=0,
-                                   bandwidth=1e15, model=toy, launch_s=0.02)
+    fast = bench.real_run_estimate(
+        P=1,
+        G=2,
+        max_new_tokens=10,
+        gen_batch_size=2,
+        prompt_len=0,
+        bandwidth=1e15,
+        model=toy,
+        launch_s=0.02,
+    )
     assert fast["decode_step_s"] == 0.02 and fast["generate_s"] == pytest.approx(0.2)
-    critic = bench.real_run_estimate(P=1, G=2, max_new_tokens=10, gen_batch_size=2,
-                                     mean_completion=5, prompt_len=0, critic=True, mfu=0.5,
-                                     flops=1e11, model=toy)
+    critic = bench.real_run_estimate(
+        P=1,
+        G=2,
+        max_new_tokens=10,
+        gen_batch_size=2,
+        mean_completion=5,
+        prompt_len=0,
+        critic=True,
+        mfu=0.5,
+        flops=1e11,
+        model=toy,
+    )
     assert critic["train_s"] == pytest.approx(11 * (20 * 2e9 + 10 * 2) / 5e10)
     # several generate() calls: 256 completions in batches of 64
     assert bench.real_run_estimate(P=32, G=8)["generate_calls"] == 4

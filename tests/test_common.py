@@ -11,10 +11,13 @@ import harness
 def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    assert model.config.model_type == "qwen2" and sum(p.numel()
-                                                      for p in model.parameters()) < 2_000_000
+    assert (
+        model.config.model_type == "qwen2"
+        and sum(p.numel() for p in model.parameters()) < 2_000_000
+    )
     # one token per character, and text survives the round trip (spaces and newlines included)
     text = "7+5-8\n7+5=12\n12-8=4 \\boxed{4}"
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -25,11 +28,15 @@ def test_tiny_model_loads_and_generates_offline(tiny_dir, monkeypatch):
     eos = model.generation_config.eos_token_id
     assert set(eos) == {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
     tok.padding_side = "left"
-    enc = tok([tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 32)],
-              return_tensors="pt", padding=True)
-    out = model.generate(**enc, do_sample=False, max_new_tokens=40, eos_token_id=eos,
-                         pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    enc = tok(
+        [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 32)],
+        return_tensors="pt",
+        padding=True,
+    )
+    out = model.generate(
+        **enc, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=tok.pad_token_id
+    )
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert sum(tasks.last_boxed(t) is not None for t in texts) >= 28  # it has learned the format
 
 
@@ -52,10 +59,17 @@ def test_prompt_sampler_resumes_exactly():
     assert a.take(9) == b.take(9)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so \\boxed{4}", "4"), ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("\\boxed{{a}{b}}", "{a}{b}"), ("no box", None), ("\\boxed{unclosed", None), ("\\fbox{7}", "7"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so \\boxed{4}", "4"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{{a}{b}}", "{a}{b}"),
+        ("no box", None),
+        ("\\boxed{unclosed", None),
+        ("\\fbox{7}", "7"),
+    ],
+)
 def test_last_boxed(text, expected):
     assert tasks.last_boxed(text) == expected
 
@@ -69,6 +83,7 @@ def test_integer_fast_path_agrees_with_math_verify():
 
 def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
@@ -76,8 +91,9 @@ def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
     (tmp_path / ".tmp-checkpoint-2").mkdir()
     assert harness.find_checkpoint(tmp_path).name == "checkpoint-1"
     for step in (2, 3):
-        harness.save_checkpoint(tmp_path, step, {"": model}, tok,
-                                {"step": step, "t": torch.ones(2)}, keep=2)
+        harness.save_checkpoint(
+            tmp_path, step, {"": model}, tok, {"step": step, "t": torch.ones(2)}, keep=2
+        )
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     ck = harness.find_checkpoint(tmp_path)
     assert ck.name == "checkpoint-3" and harness.load_trainer_state(ck)["step"] == 3

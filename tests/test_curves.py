@@ -10,8 +10,10 @@ from tools import curves
 def fake_run(folder, accs):
     folder.mkdir()
     rows = [{"step": s, "truncated_frac": 1.0 - s / 10} for s in range(1, 11)]
-    rows += [{"step": s, "eval/greedy_acc": a, "eval/sampled_acc": a / 2} for s,
-             a in zip((0, 5, 10), accs)]
+    rows += [
+        {"step": s, "eval/greedy_acc": a, "eval/sampled_acc": a / 2}
+        for s, a in zip((0, 5, 10), accs)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 

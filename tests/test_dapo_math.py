@@ -20,7 +20,7 @@ def test_overlong_penalty_three_regimes_and_both_boundaries():
     expected = [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0]
     assert pen.dtype.is_floating_point and pen.shape == (9,)
     assert pen.tolist() == expected  # quarters are exact in binary floating point
-    assert pen[2].item() == 0.0   # len == L_max - L_cache: still no penalty
+    assert pen[2].item() == 0.0  # len == L_max - L_cache: still no penalty
     assert pen[6].item() == -1.0  # len == L_max: the ramp reaches exactly -1
     assert pen[7].item() == -1.0  # len > L_max: flat -1, not (6 - 11) / 4 = -1.25
 
@@ -32,8 +32,15 @@ def test_overlong_penalty_non_dyadic_cache():
 
 
 def test_reward_fn_combines_correctness_and_overlong_penalty():
-    texts = ["so \\boxed{4}", "\\boxed{5}", "no box here", "so \\boxed{4}", "\\boxed{4}",
-             "\\boxed{3}", "\\boxed{4}"]
+    texts = [
+        "so \\boxed{4}",
+        "\\boxed{5}",
+        "no box here",
+        "so \\boxed{4}",
+        "\\boxed{4}",
+        "\\boxed{3}",
+        "\\boxed{4}",
+    ]
     answers = ["4"] * 7
     lengths = torch.tensor([3, 3, 3, 8, 10, 12, 6])
     args = dapo.Args(max_new_tokens=10, overlong_cache=4, grader_timeout=5)  # ramp on (6, 10]
@@ -75,8 +82,16 @@ def test_mixed_groups_rows_belong_to_prompt_b_div_G():
 
 
 # ------------------------------------------------------------------ dynamic sampling: the loop
-ROW_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "correct",
-               "rewards")
+ROW_TENSORS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "mask",
+    "truncated",
+    "correct",
+    "rewards",
+)
+
 
 def _round(tag: str, groups: list[list[int]], Tp: int, Tc: int) -> dict:
     """A fake rollout round: one entry of `groups` per prompt (its G correctness bits).
@@ -91,15 +106,18 @@ def _round(tag: str, groups: list[list[int]], Tp: int, Tc: int) -> dict:
     completion_ids = torch.zeros(B, Tc, dtype=torch.long)
     mask = torch.zeros(B, Tc, dtype=torch.long)
     for b in range(B):
-        lp = 1 + b % Tp                 # real prompt tokens: right-aligned (left padding)
-        prompt_ids[b, Tp - lp:] = base + 10 * b + torch.arange(lp) + 1
-        prompt_mask[b, Tp - lp:] = 1
-        lc = 1 + (b * 2) % Tc           # real completion tokens: left-aligned (right padding)
+        lp = 1 + b % Tp  # real prompt tokens: right-aligned (left padding)
+        prompt_ids[b, Tp - lp :] = base + 10 * b + torch.arange(lp) + 1
+        prompt_mask[b, Tp - lp :] = 1
+        lc = 1 + (b * 2) % Tc  # real completion tokens: left-aligned (right padding)
         completion_ids[b, :lc] = base + 500 + 10 * b + torch.arange(lc) + 1
         mask[b, :lc] = 1
     correct = torch.tensor([float(x) for g in groups for x in g])
     return dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        mask=mask,
         truncated=torch.tensor([b % 3 == 0 for b in range(B)]),
         texts=[f"{tag}-p{b // G}-row{b}" for b in range(B)],
         answers=[f"ans-{tag}-p{b // G}" for b in range(B)],
@@ -154,16 +172,22 @@ def test_dynamic_sampling_concatenates_rounds_of_different_widths():
     G, P = 2, 3
     rounds = [
         _round("a", [[1, 1], [0, 1], [0, 0]], Tp=3, Tc=4),  # 1 mixed group (prompt 1), 2 dropped
-        _round("b", [[1, 0], [1, 1]], Tp=5, Tc=2),          # 1 mixed (prompt 0), 1 dropped
-        _round("c", [[0, 0], [0, 1]], Tp=2, Tc=6),          # 1 mixed, 1 dropped -> 3 kept, stop
+        _round("b", [[1, 0], [1, 1]], Tp=5, Tc=2),  # 1 mixed (prompt 0), 1 dropped
+        _round("c", [[0, 0], [0, 1]], Tp=2, Tc=6),  # 1 mixed, 1 dropped -> 3 kept, stop
     ]
     sampler = FakeSampler(rounds)
     batch, info = dapo.dynamic_sampling(sampler, P, G, 10)
     assert sampler.calls == 3  # stops as soon as P mixed groups are in hand
     assert info["rounds"] == 3 and info["kept_groups"] == 3 and info["dropped_groups"] == 4
     assert not info["hit_round_limit"]
-    assert batch["texts"] == ["a-p1-row2", "a-p1-row3", "b-p0-row0", "b-p0-row1", "c-p1-row2",
-                              "c-p1-row3"]
+    assert batch["texts"] == [
+        "a-p1-row2",
+        "a-p1-row3",
+        "b-p0-row0",
+        "b-p0-row1",
+        "c-p1-row2",
+        "c-p1-row3",
+    ]
     for k in ROW_TENSORS:
         assert batch[k].shape[0] == P * G, k
     assert len(batch["answers"]) == P * G
@@ -179,10 +203,13 @@ def test_dynamic_sampling_concatenates_rounds_of_different_widths():
     # lc = 1 + 2 % 2 = 1 completion token
     j = batch["texts"].index("b-p0-row1")
     b = rounds[1]
-    assert batch["prompt_ids"][j][batch["prompt_mask"][j].bool()].tolist() == \
-        [b["prompt_ids"][1, -2].item(), b["prompt_ids"][1, -1].item()]
-    assert batch["completion_ids"][j][batch["mask"][j].bool()].tolist() == \
-        [b["completion_ids"][1, 0].item()]
+    assert batch["prompt_ids"][j][batch["prompt_mask"][j].bool()].tolist() == [
+        b["prompt_ids"][1, -2].item(),
+        b["prompt_ids"][1, -1].item(),
+    ]
+    assert batch["completion_ids"][j][batch["mask"][j].bool()].tolist() == [
+        b["completion_ids"][1, 0].item()
+    ]
 
 
 def test_dynamic_sampling_trims_to_exactly_P_groups():
@@ -205,8 +232,10 @@ def test_dynamic_sampling_trims_to_exactly_P_groups():
 
 def test_dynamic_sampling_stops_at_round_limit_and_says_so(capsys):
     G, P = 2, 4
-    rounds = [_round("a", [[1, 0], [1, 1], [0, 0]], Tp=2, Tc=3),   # 1 mixed, 2 dropped per round
-              _round("b", [[0, 0], [0, 1], [1, 1]], Tp=4, Tc=2)]
+    rounds = [
+        _round("a", [[1, 0], [1, 1], [0, 0]], Tp=2, Tc=3),  # 1 mixed, 2 dropped per round
+        _round("b", [[0, 0], [0, 1], [1, 1]], Tp=4, Tc=2),
+    ]
     sampler = FakeSampler(rounds)
     batch, info = dapo.dynamic_sampling(sampler, P, G, 2)
     assert sampler.calls == 2  # never more than max_rounds generation calls
@@ -263,16 +292,19 @@ def _one_token_loss(ratio, A, **kw):
     return loss, dapo.dapo_stats(logp, old, A, mask, **kw)
 
 
-@pytest.mark.parametrize("ratio,A,clip_high,expected,clipped", [
-    (1.25, 1.0, 0.28, -1.25, 0.0),  # A > 0, 1.25 < 1.28: NOT clipped under clip-higher ...
-    (1.25, 1.0, 0.20, -1.20, 1.0),  # ... but would be under the symmetric 0.2
-    (1.30, 1.0, 0.28, -1.28, 1.0),  # capped at 1 + 0.28
-    (1.30, 2.0, 0.28, -2.56, 1.0),  # 1.28 * 2
-    (1.25, -1.0, 0.28, 1.25, 0.0),  # A < 0: the upper clip never binds (min takes ratio * A)
-    (0.75, -1.0, 0.28, 0.80, 1.0),  # A < 0, ratio < 1 - 0.2: floored at 0.8
-    (0.85, -1.0, 0.28, 0.85, 0.0),  # inside [0.8, 1.28]
-    (0.50, 1.0, 0.28, -0.50, 0.0),  # A > 0 below the range: unclipped
-])
+@pytest.mark.parametrize(
+    "ratio,A,clip_high,expected,clipped",
+    [
+        (1.25, 1.0, 0.28, -1.25, 0.0),  # A > 0, 1.25 < 1.28: NOT clipped under clip-higher ...
+        (1.25, 1.0, 0.20, -1.20, 1.0),  # ... but would be under the symmetric 0.2
+        (1.30, 1.0, 0.28, -1.28, 1.0),  # capped at 1 + 0.28
+        (1.30, 2.0, 0.28, -2.56, 1.0),  # 1.28 * 2
+        (1.25, -1.0, 0.28, 1.25, 0.0),  # A < 0: the upper clip never binds (min takes ratio * A)
+        (0.75, -1.0, 0.28, 0.80, 1.0),  # A < 0, ratio < 1 - 0.2: floored at 0.8
+        (0.85, -1.0, 0.28, 0.85, 0.0),  # inside [0.8, 1.28]
+        (0.50, 1.0, 0.28, -0.50, 0.0),  # A > 0 below the range: unclipped
+    ],
+)
 def test_clip_higher_asymmetry_by_hand(ratio, A, clip_high, expected, clipped):
     loss, st = _one_token_loss(ratio, A, clip_low=0.2, clip_high=clip_high)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -331,8 +363,9 @@ def test_first_update_gradient_is_token_mean_policy_gradient():
     B, T = 4, 5
     logp = torch.randn(B, T, requires_grad=True)
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
-                         [1, 1, 0, 0, 0]]).float()
+    mask = torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    ).float()
     loss = dapo.dapo_loss(logp, logp.detach(), A, mask, num_tokens=float(mask.sum()))  # N = 11
     loss.backward()
     assert torch.allclose(logp.grad, -A[:, None] * mask / 11, atol=1e-7)

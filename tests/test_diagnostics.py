@@ -26,8 +26,9 @@ def _group(lengths, right, cut):
 def test_gradient_mass_on_cut_off_completions_by_hand():
     # the group: one right answer of 25 tokens, five wrong ones cut off at 64, two of 30.
     # A_right = (1 - 1/8) / sqrt(1/8) = 2.4749, A_wrong = -(1/8) / sqrt(1/8) = -0.35355 (eps aside)
-    batch, correct, A = _group([25] + [64] * 5 + [30] * 2, [1] + [0] * 7,
-                               [False] + [True] * 5 + [False] * 2)
+    batch, correct, A = _group(
+        [25] + [64] * 5 + [30] * 2, [1] + [0] * 7, [False] + [True] * 5 + [False] * 2
+    )
     f = diagnostics.rollout_figures(batch, correct, A)
     a_r, a_w = 0.875 / math.sqrt(1 / 8), 0.125 / math.sqrt(1 / 8)
     # each token weighs 1 / N_tokens
@@ -39,8 +40,10 @@ def test_gradient_mass_on_cut_off_completions_by_hand():
     assert f["right_cut_off_frac"] == 0.0
     # per-token advantages: |A_it| summed over the completion's tokens
     A_it = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
-    batch2 = {"mask": torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
-              "truncated": torch.tensor([True, False])}
+    batch2 = {
+        "mask": torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
+        "truncated": torch.tensor([True, False]),
+    }
     f = diagnostics.rollout_figures(batch2, torch.tensor([1.0, 1.0]), A_it)
     assert f["grad_mass_cut_token_mean"] == pytest.approx(2 / 4)  # the padded 0 counts nothing
     assert f["grad_mass_cut_seq_mean"] == pytest.approx(2 / (2 + 1))
@@ -86,22 +89,49 @@ def test_observe_without_observers_does_nothing():
 
 
 def _rows(run_dir):
-    return [{k: v for k, v in r.items() if not (k.startswith("time") or k == "tokens_per_s")}
-            for r in harness.read_metrics(run_dir)]
+    return [
+        {k: v for k, v in r.items() if not (k.startswith("time") or k == "tokens_per_s")}
+        for r in harness.read_metrics(run_dir)
+    ]
 
 
 def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
     # tools/diagnostics.py adds figures to metrics.jsonl and changes no training number
-    flags = ["--steps", "2", "--prompts-per-step", "4", "--eval-n", "16", "--eval-every", "2",
-             "--save-every", "2", "--tensorboard", "false", "--output-dir", str(tmp_path)]
+    flags = [
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--eval-n",
+        "16",
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+        "--tensorboard",
+        "false",
+        "--output-dir",
+        str(tmp_path),
+    ]
     tepo.main([*flags, "--run-name", "plain"])
     diagnostics.main(["tepo.py", *flags, "--run-name", "diagnosed"])
     assert not harness.OBSERVERS  # removed afterwards
     plain, diagnosed = _rows(tmp_path / "plain"), _rows(tmp_path / "diagnosed")
-    added = {"right_cut_off_frac", "grad_mass_cut_token_mean", "grad_mass_cut_seq_mean",
-             "clip_frac_pos_adv", "clip_frac_neg_adv", "clip_frac_cut", "clip_frac_ended",
-             "kl_pos_adv", "kl_neg_adv", "kl_off_mask", "kl_first_quarter", "kl_last_quarter",
-             "kl_token_max"}
+    added = {
+        "right_cut_off_frac",
+        "grad_mass_cut_token_mean",
+        "grad_mass_cut_seq_mean",
+        "clip_frac_pos_adv",
+        "clip_frac_neg_adv",
+        "clip_frac_cut",
+        "clip_frac_ended",
+        "kl_pos_adv",
+        "kl_neg_adv",
+        "kl_off_mask",
+        "kl_first_quarter",
+        "kl_last_quarter",
+        "kl_token_max",
+    }
     for p, d in zip(plain, diagnosed, strict=True):
         assert {k: v for k, v in d.items() if k in p} == p  # every plain figure, bit for bit
         assert set(d) - set(p) <= added

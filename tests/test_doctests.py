@@ -6,10 +6,33 @@ import importlib
 
 import pytest
 
-MODULES = ["common", "tasks", "harness", "grpo", "dapo", "tepo", "erpo", "sapo", "eval",
-           "tools.bench", "tools.study", "tools.study_real", "tools.same_metrics"]
-WITH_EXAMPLES = {"tasks", "grpo", "dapo", "tepo", "erpo", "sapo", "tools.bench", "tools.study",
-                 "tools.study_real", "tools.same_metrics"}
+MODULES = [
+    "common",
+    "tasks",
+    "harness",
+    "grpo",
+    "dapo",
+    "tepo",
+    "erpo",
+    "sapo",
+    "eval",
+    "tools.bench",
+    "tools.study",
+    "tools.study_real",
+    "tools.same_metrics",
+]
+WITH_EXAMPLES = {
+    "tasks",
+    "grpo",
+    "dapo",
+    "tepo",
+    "erpo",
+    "sapo",
+    "tools.bench",
+    "tools.study",
+    "tools.study_real",
+    "tools.same_metrics",
+}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -20,10 +20,9 @@ def _sigmoid(x):
 # ------------------------------------------------------------------ (i) entropy gate
 def _gate_example():
     # 2 prompts x G = 2. Prompt 0: valid entropies 0, 1, 3 (row 0) and 2 (row 1).
-    H = torch.tensor([[0.0, 1.0, 3.0, 7.0],
-                      [2.0, 5.0, 5.0, 5.0],
-                      [4.0, 4.0, 1.0, 0.0],
-                      [9.0, 8.0, 0.5, 0.0]])
+    H = torch.tensor(
+        [[0.0, 1.0, 3.0, 7.0], [2.0, 5.0, 5.0, 5.0], [4.0, 4.0, 1.0, 0.0], [9.0, 8.0, 0.5, 0.0]]
+    )
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     return H, mask
 
@@ -35,8 +34,10 @@ def test_gate_hand_values_population_std_over_the_whole_group():
     # prompt 0, valid tokens {0, 1, 3, 2}: mean 1.5, population variance
     # (2.25 + 0.25 + 2.25 + 0.25) / 4 = 1.25 (Bessel would give 5 / 3)
     mu, sd = 1.5, math.sqrt(1.25)
-    expect = [[_sigmoid(gamma * (h - mu) / (sd + 1e-6)) for h in (0.0, 1.0, 3.0)],
-              [_sigmoid(gamma * (2.0 - mu) / (sd + 1e-6))]]
+    expect = [
+        [_sigmoid(gamma * (h - mu) / (sd + 1e-6)) for h in (0.0, 1.0, 3.0)],
+        [_sigmoid(gamma * (2.0 - mu) / (sd + 1e-6))],
+    ]
     assert torch.allclose(W[0, :3], torch.tensor(expect[0]), atol=1e-6)
     assert torch.allclose(W[1, :1], torch.tensor(expect[1]), atol=1e-6)
     # prompt 1, valid tokens {4, 4, 1, 0, 9, 8}: mean 26 / 6, population variance by hand
@@ -94,10 +95,14 @@ def test_bucket_index_by_relative_position_for_different_lengths():
 def test_bucket_normalize_hand_values_within_group_and_bucket():
     # G = 2, K = 2. Row 0 has 4 valid tokens (buckets 0 0 1 1), row 1 has 2 (buckets 0 1).
     # Rows 2-3 are another prompt whose values must not leak in.
-    s = torch.tensor([[1.0, 2.0, 10.0, 20.0, INF],
-                      [6.0, 30.0, NAN, 0.0, 0.0],
-                      [100.0, -50.0, 3.0, 0.0, 0.0],
-                      [7.0, 7.0, 7.0, 7.0, 7.0]])
+    s = torch.tensor(
+        [
+            [1.0, 2.0, 10.0, 20.0, INF],
+            [6.0, 30.0, NAN, 0.0, 0.0],
+            [100.0, -50.0, 3.0, 0.0, 0.0],
+            [7.0, 7.0, 7.0, 7.0, 7.0],
+        ]
+    )
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     st = erpo.bucket_normalize(s, mask, G=2, num_buckets=2)
     # prompt 0, bucket 0: {1, 2, 6}: mean 3, population variance (4 + 1 + 9) / 3 = 14 / 3
@@ -123,8 +128,7 @@ def test_bucket_normalize_hand_values_within_group_and_bucket():
 def test_bucket_normalize_lone_token_gives_zero_and_other_prompts_do_not_leak():
     # G = 2, K = 10: row 0 has 10 tokens (one per bucket), row 1 has 1 token (bucket 0), so
     # bucket 0 holds two tokens and buckets 1..9 one each.
-    s = torch.tensor([[3.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0],
-                      [5.0] + [0.0] * 9])
+    s = torch.tensor([[3.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], [5.0] + [0.0] * 9])
     mask = torch.tensor([[1] * 10, [1] + [0] * 9])
     st = erpo.bucket_normalize(s, mask, G=2, num_buckets=10)
     z = 1 / (1 + 1e-6)  # {3, 5}: mean 4, population std 1
@@ -245,8 +249,9 @@ def test_loss_micro_batch_split_gives_same_value_and_gradient():
     (g_full,) = torch.autograd.grad(full, logp)
     total = 0.0
     for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
-        part = erpo.erpo_loss(logp[rows], old[rows], ref[rows], A_it[rows], mask[rows],
-                              kl_coef=0.04, num_seqs=6)
+        part = erpo.erpo_loss(
+            logp[rows], old[rows], ref[rows], A_it[rows], mask[rows], kl_coef=0.04, num_seqs=6
+        )
         part.backward()
         total = total + part.detach()
     assert torch.allclose(total, full.detach(), atol=1e-6)

@@ -12,25 +12,75 @@ import harness
 import erpo
 import grpo
 
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--eval-n", "16", "--eval-every", "2",
-         "--micro-batch-size", "8", "--num-mini-batches", "2", "--sample-every", "100",
-         "--tensorboard", "false"]
-ERPO_METRICS = ("gate_mean", "gate_high_frac", "psi_abs_mean", "sign_flip_frac", "adv_token_std",
-                "clip_frac", "kl", "loss", "grad_norm", "reward", "accuracy", "entropy")
+SMALL = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-n",
+    "16",
+    "--eval-every",
+    "2",
+    "--micro-batch-size",
+    "8",
+    "--num-mini-batches",
+    "2",
+    "--sample-every",
+    "100",
+    "--tensorboard",
+    "false",
+]
+ERPO_METRICS = (
+    "gate_mean",
+    "gate_high_frac",
+    "psi_abs_mean",
+    "sign_flip_frac",
+    "adv_token_std",
+    "clip_frac",
+    "kl",
+    "loss",
+    "grad_norm",
+    "reward",
+    "accuracy",
+    "entropy",
+)
 
 
 def _weights(run_dir):
     from safetensors.torch import load_file
+
     ckpt = harness.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / "model.safetensors"))
 
 
 def test_smoke_two_steps_then_resume_exactly_with_erpo_metrics_and_samples(tmp_path):
     """A: 3 steps straight. B: 2 steps, then resumed for a third. Same seed: same weights."""
-    erpo.main(["--steps", "3", "--save-every", "1", "--output-dir", str(tmp_path), "--run-name",
-               "a", *SMALL])
-    erpo.main(["--steps", "2", "--save-every", "1", "--output-dir", str(tmp_path), "--run-name",
-               "b", *SMALL])
+    erpo.main(
+        [
+            "--steps",
+            "3",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "a",
+            *SMALL,
+        ]
+    )
+    erpo.main(
+        [
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "b",
+            *SMALL,
+        ]
+    )
     assert _weights(tmp_path / "b")[0].name == "checkpoint-2"
     erpo.main(["--resume", str(tmp_path / "b"), "--steps", "3"])
     ckpt_a, wa = _weights(tmp_path / "a")
@@ -63,14 +113,24 @@ def test_both_synthesis_modes_train_and_additive_with_eta_zero_is_grpo(tmp_path)
     train exactly as grpo.py with the same seed and flags (same rollouts, same updates), while the
     default gated mode and additive with eta > 0 train differently from it and from each other.
     Two steps, because Psi is 0 at step 1 (the policy is still the reference, so s = 0)."""
-    flags = ["--steps", "2", "--save-every", "1", "--eval-dataset", "none", "--output-dir",
-             str(tmp_path), *SMALL]
+    flags = [
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--eval-dataset",
+        "none",
+        "--output-dir",
+        str(tmp_path),
+        *SMALL,
+    ]
     grpo.main([*flags, "--run-name", "grpo"])
     erpo.main([*flags, "--synthesis", "additive", "--eta", "0", "--run-name", "additive0"])
     erpo.main([*flags, "--run-name", "gated"])  # the default
     erpo.main([*flags, "--synthesis", "additive", "--run-name", "additive"])
     w = {name: _weights(tmp_path / name)[1] for name in ("grpo", "additive0", "gated", "additive")}
     from transformers import AutoModelForCausalLM
+
     w0 = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR).state_dict()
 
     def same(a, b, atol):
@@ -111,9 +171,26 @@ def test_short_seeded_run_learns(tmp_path):
     micro-batches were grouped by length, which changes float summation order and so the sampled
     trajectory: -> 0.457, +0.207); the held-out evaluation samples too, so --eval-every is part of
     the seeded trajectory."""
-    erpo.main(["--steps", "80", "--seed", "1", "--eval-every", "40", "--save-every", "1000",
-               "--sample-every", "1000", "--tensorboard", "false", "--output-dir", str(tmp_path),
-               "--run-name", "learn"])
+    erpo.main(
+        [
+            "--steps",
+            "80",
+            "--seed",
+            "1",
+            "--eval-every",
+            "40",
+            "--save-every",
+            "1000",
+            "--sample-every",
+            "1000",
+            "--tensorboard",
+            "false",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+        ]
+    )
     evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 80

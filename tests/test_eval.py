@@ -51,12 +51,22 @@ def test_pass_at_k_hand_values():
 
 def test_compute_metrics_by_hand():
     def row(i, s, correct, parsed=True, tokens=10, truncated=False):
-        return {"idx": i, "sample": s, "correct": correct, "parsed": parsed, "tokens": tokens,
-                "truncated": truncated}
+        return {
+            "idx": i,
+            "sample": s,
+            "correct": correct,
+            "parsed": parsed,
+            "tokens": tokens,
+            "truncated": truncated,
+        }
 
     # problem 0: 1 of 2 correct; problem 1: 0 of 2, one unparsed and truncated
-    rows = [row(0, 0, True), row(0, 1, False), row(1, 0, False),
-            row(1, 1, False, parsed=False, tokens=30, truncated=True)]
+    rows = [
+        row(0, 0, True),
+        row(0, 1, False),
+        row(1, 0, False),
+        row(1, 1, False, parsed=False, tokens=30, truncated=True),
+    ]
     m = ev.compute_metrics(rows, n_problems=2, n=2, ks=[1, 2, 4], greedy=False)
     assert m["avg@2"] == m["accuracy"] == 0.25
     assert m["pass@1"] == pytest.approx(0.25)
@@ -82,8 +92,10 @@ def test_named_benchmarks_read_their_columns(monkeypatch):
     import datasets
 
     tables = {
-        "math-ai/olympiadbench": {"question": ["Find x.", "Find all y."],
-                                  "final_answer": [["$\\frac{1}{2}$"], ["$1$", "$-1$"]]},
+        "math-ai/olympiadbench": {
+            "question": ["Find x.", "Find all y."],
+            "final_answer": [["$\\frac{1}{2}$"], ["$1$", "$-1$"]],
+        },
         "openai/gsm8k": {"question": ["How many?"], "answer": ["2 * 600 = 1200\n#### 1,200"]},
         "math-ai/amc23": {"question": ["What?"], "answer": [27.0]},
         "HuggingFaceH4/aime_2024": {"problem": ["P"], "answer": ["073"]},
@@ -99,7 +111,8 @@ def test_named_benchmarks_read_their_columns(monkeypatch):
     args = ev.Args()
     assert ev.load_benchmark("olympiadbench", args)[2] == [
         {"problem": "Find x.", "answer": "\\frac{1}{2}"},
-        {"problem": "Find all y.", "answer": "1, -1"}]
+        {"problem": "Find all y.", "answer": "1, -1"},
+    ]
     assert ev.load_benchmark("gsm8k", args)[2] == [{"problem": "How many?", "answer": "1200"}]
     assert ev.load_benchmark("amc23", args)[2] == [{"problem": "What?", "answer": "27"}]
     assert ev.load_benchmark("aime24", args)[2][0]["answer"] == "073"
@@ -113,17 +126,20 @@ def test_named_benchmarks_read_their_columns(monkeypatch):
 # =====================================================================================
 # Grading through tasks.grade
 # =====================================================================================
-@pytest.mark.parametrize("completion, gold, correct, parsed", [
-    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", True, True),
-    ("\\boxed{10\\%}", "0.1", True, True),
-    ("\\boxed{42}", "42", True, True),
-    ("first \\boxed{41}, no wait: \\boxed{42}", "42", True, True),  # the last box counts
-    ("\\boxed{x^2+1}", "1+x^2", True, True),
-    ("\\boxed{43}", "42", False, True),
-    ("\\boxed{\\frac{1}{3}}", "0.5", False, True),
-    ("the answer is 42", "42", False, False),  # no box: unparsed
-    ("\\boxed{}", "42", False, False),
-])
+@pytest.mark.parametrize(
+    "completion, gold, correct, parsed",
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", True, True),
+        ("\\boxed{10\\%}", "0.1", True, True),
+        ("\\boxed{42}", "42", True, True),
+        ("first \\boxed{41}, no wait: \\boxed{42}", "42", True, True),  # the last box counts
+        ("\\boxed{x^2+1}", "1+x^2", True, True),
+        ("\\boxed{43}", "42", False, True),
+        ("\\boxed{\\frac{1}{3}}", "0.5", False, True),
+        ("the answer is 42", "42", False, False),  # no box: unparsed
+        ("\\boxed{}", "42", False, False),
+    ],
+)
 def test_grade_cases(completion, gold, correct, parsed):
     g = grade(completion, gold)
     assert (g.correct, g.parsed) == (correct, parsed)
@@ -131,10 +147,12 @@ def test_grade_cases(completion, gold, correct, parsed):
 
 def test_grade_adversarial_is_bounded_and_never_executes(tmp_path):
     marker = tmp_path / "pwned"
-    attacks = [f"\\boxed{{__import__('os').system('touch {marker}')}}",
-               f"\\boxed{{exec(\"open('{marker}', 'w')\")}}",
-               "\\boxed{9^{9^{9^{9^{9}}}}}",
-               "\\boxed{" + "{" * 500 + "1" + "}" * 500 + "}"]
+    attacks = [
+        f"\\boxed{{__import__('os').system('touch {marker}')}}",
+        f"\\boxed{{exec(\"open('{marker}', 'w')\")}}",
+        "\\boxed{9^{9^{9^{9^{9}}}}}",
+        "\\boxed{" + "{" * 500 + "1" + "}" * 500 + "}",
+    ]
     for text in attacks:
         t0 = time.time()
         g = grade(text, "1", timeout_s=2)
@@ -175,14 +193,29 @@ def build_random_model(path: Path) -> Path:
     vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], extra_special_tokens=specials[1:])
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=True,
-                      bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    cfg = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = Qwen2ForCausalLM(cfg)
     # Qwen-like shipped defaults that eval.py must not inherit (it records its own decoding)
-    model.generation_config = GenerationConfig(eos_token_id=[0, 2], pad_token_id=0, do_sample=True,
-                                               temperature=0.7, top_k=20, repetition_penalty=1.05)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[0, 2],
+        pad_token_id=0,
+        do_sample=True,
+        temperature=0.7,
+        top_k=20,
+        repetition_penalty=1.05,
+    )
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -205,9 +238,25 @@ def one_thread():
 
 
 def tiny_argv(model_dir, out, *extra):
-    return ["--model", str(model_dir), "--benchmarks", "tiny", "--template", "tiny",
-            "--device", "cpu", "--eval-n", "16", "--max-new-tokens", "40", "--gen-batch-size", "8",
-            "--output-dir", str(out), *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--benchmarks",
+        "tiny",
+        "--template",
+        "tiny",
+        "--device",
+        "cpu",
+        "--eval-n",
+        "16",
+        "--max-new-tokens",
+        "40",
+        "--gen-batch-size",
+        "8",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def read_jsonl(path):
@@ -220,8 +269,18 @@ def read_jsonl(path):
 def test_end_to_end_greedy(model_dir, tmp_path, one_thread):
     assert ev.main(tiny_argv(model_dir, tmp_path)) == 0
     res = json.loads((tmp_path / "tiny.greedy.json").read_text())
-    for key in ("model", "benchmark", "metrics", "decoding", "grader", "date", "n_problems",
-                "n_samples", "n_samples_per_problem", "samples_file"):
+    for key in (
+        "model",
+        "benchmark",
+        "metrics",
+        "decoding",
+        "grader",
+        "date",
+        "n_problems",
+        "n_samples",
+        "n_samples_per_problem",
+        "samples_file",
+    ):
         assert key in res, key
     assert res["benchmark"] == "tiny" and res["n_problems"] == 16 and res["n_samples"] == 16
     assert res["grader"] == "math-verify " + version("math-verify")
@@ -231,16 +290,30 @@ def test_end_to_end_greedy(model_dir, tmp_path, one_thread):
     assert dec["template"] == "tiny" and dec["top_k"] is None and dec["stop_token_ids"]
     assert dec["tokenizer"] and dec["dtype"] == "float32" and dec["device"] == "cpu"
     m = res["metrics"]
-    assert set(m) >= {"accuracy", "greedy_pass@1", "unparsed", "unparsed_frac", "truncated_frac",
-                      "mean_completion_tokens"}
+    assert set(m) >= {
+        "accuracy",
+        "greedy_pass@1",
+        "unparsed",
+        "unparsed_frac",
+        "truncated_frac",
+        "mean_completion_tokens",
+    }
 
     rows = read_jsonl(tmp_path / "tiny.greedy.jsonl")
     gold = {i: p["answer"] for i, p in enumerate(tiny_task("test", 16))}
     assert sorted(r["idx"] for r in rows) == list(range(16))
     assert all(r["sample"] == 0 for r in rows)
     for r in rows:
-        assert set(r) >= {"problem", "gold", "completion", "pred", "parsed", "correct", "tokens",
-                          "truncated"}
+        assert set(r) >= {
+            "problem",
+            "gold",
+            "completion",
+            "pred",
+            "parsed",
+            "correct",
+            "tokens",
+            "truncated",
+        }
         assert r["gold"] == gold[r["idx"]]
         g = grade(r["completion"], r["gold"])
         assert (g.correct, g.parsed, g.pred) == (r["correct"], r["parsed"], r["pred"])
@@ -284,8 +357,10 @@ def test_generate_cuts_at_the_first_eos_by_position(model_dir):
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     eos, im_end = tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
-    a, b, c = (tok("12", add_special_tokens=False)["input_ids"]
-               + tok("+", add_special_tokens=False)["input_ids"])
+    a, b, c = (
+        tok("12", add_special_tokens=False)["input_ids"]
+        + tok("+", add_special_tokens=False)["input_ids"]
+    )
     prompt = [[a, b], [a, b], [a, b]]
     completions = [[c, a, im_end, b, eos], [c, eos, eos, eos, eos], [c, a, b, c, a]]
 
@@ -399,8 +474,9 @@ def test_context_length_and_argument_errors(model_dir, tmp_path):
         ev.evaluate(ev.parse_args(["--model", str(tmp_path), "--benchmarks", "tiny"]))
 
 
-@pytest.mark.skipif(not (common.TINY_MODEL_DIR / "config.json").is_file(),
-                    reason="bundled tiny model not built")
+@pytest.mark.skipif(
+    not (common.TINY_MODEL_DIR / "config.json").is_file(), reason="bundled tiny model not built"
+)
 def test_defaults_for_the_bundled_tiny_model(tmp_path, one_thread):
     assert ev.main(["--limit", "8", "--device", "cpu", "--output-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "tiny.greedy.json").read_text())
@@ -413,8 +489,14 @@ def test_defaults_for_the_bundled_tiny_model(tmp_path, one_thread):
 # =====================================================================================
 def run_cli(*args, cwd=ROOT):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_error(proc, *needles):
@@ -442,8 +524,14 @@ def test_cli_missing_column(tmp_path):
 # =====================================================================================
 # What a Qwen-style generation_config.json may ask for, exaggerated so that greedy output changes
 # if any of it leaks in: generate() fills every field its GenerationConfig leaves unset from it.
-SHIPPED = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9,
-           "repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+SHIPPED = {
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.9,
+    "repetition_penalty": 1.5,
+    "no_repeat_ngram_size": 2,
+}
 
 
 @pytest.fixture
@@ -489,8 +577,9 @@ def argmax_decode(model, tok, prompt: list[int], stop: set[int], max_new: int) -
     return out
 
 
-def test_greedy_ignores_the_shipped_generation_config(shipped_model_dir, tmp_path, one_thread,
-                                                      processors):
+def test_greedy_ignores_the_shipped_generation_config(
+    shipped_model_dir, tmp_path, one_thread, processors
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "out"
@@ -508,14 +597,33 @@ def test_greedy_ignores_the_shipped_generation_config(shipped_model_dir, tmp_pat
         assert r["tokens"] == len(ref)
 
 
-@pytest.mark.parametrize("top_p, expected", [
-    ("1", {"TemperatureLogitsWarper": ("temperature", 0.7)}),  # top-p 1 and no top-k: no cut
-    ("0.8", {"TemperatureLogitsWarper": ("temperature", 0.7), "TopPLogitsWarper": ("top_p", 0.8)}),
-])
-def test_sampling_uses_only_the_requested_warpers(shipped_model_dir, tmp_path, one_thread,
-                                                   processors, top_p, expected):
-    argv = tiny_argv(shipped_model_dir, tmp_path, "--limit", "2", "--max-new-tokens", "4",
-                     "--n", "2", "--temperature", "0.7", "--top-p", top_p)
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [
+        ("1", {"TemperatureLogitsWarper": ("temperature", 0.7)}),  # top-p 1 and no top-k: no cut
+        (
+            "0.8",
+            {"TemperatureLogitsWarper": ("temperature", 0.7), "TopPLogitsWarper": ("top_p", 0.8)},
+        ),
+    ],
+)
+def test_sampling_uses_only_the_requested_warpers(
+    shipped_model_dir, tmp_path, one_thread, processors, top_p, expected
+):
+    argv = tiny_argv(
+        shipped_model_dir,
+        tmp_path,
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--n",
+        "2",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        top_p,
+    )
     assert ev.main(argv) == 0
     assert processors
     for procs in processors:  # no top-k 20, no shipped top-p, no penalties
@@ -530,22 +638,31 @@ def test_sampling_uses_only_the_requested_warpers(shipped_model_dir, tmp_path, o
 # =====================================================================================
 def constant_generate(text="so \\boxed{0}", log=None):
     """Stands in for generation: every completion is `text`; `log` collects the prompts."""
+
     def gen(model, tok, prompt_ids, stop_ids):
         if log is not None:
             log.extend(prompt_ids)
         return [(text, 5, False) for _ in prompt_ids]
+
     return gen
 
 
-@pytest.mark.parametrize("first, second, needle", [
-    ((), ("--max-new-tokens", "20"), "--max-new-tokens 40 (now 20)"),
-    ((), ("--template", "plain"), "--template tiny (now plain)"),
-    ((), ("--answer-extraction", "math_verify"), "--answer-extraction boxed (now math_verify)"),
-    (("--max-new-tokens", "20", "--template", "plain"), (),
-     "--template plain (now tiny), --max-new-tokens 20 (now 40)"),
-])
-def test_resume_refuses_other_settings(model_dir, tmp_path, monkeypatch, capsys, one_line_error,
-                                       first, second, needle):
+@pytest.mark.parametrize(
+    "first, second, needle",
+    [
+        ((), ("--max-new-tokens", "20"), "--max-new-tokens 40 (now 20)"),
+        ((), ("--template", "plain"), "--template tiny (now plain)"),
+        ((), ("--answer-extraction", "math_verify"), "--answer-extraction boxed (now math_verify)"),
+        (
+            ("--max-new-tokens", "20", "--template", "plain"),
+            (),
+            "--template plain (now tiny), --max-new-tokens 20 (now 40)",
+        ),
+    ],
+)
+def test_resume_refuses_other_settings(
+    model_dir, tmp_path, monkeypatch, capsys, one_line_error, first, second, needle
+):
     monkeypatch.setattr(ev, "generate", constant_generate())
     assert ev.main(tiny_argv(model_dir, tmp_path, *first)) == 0
     before = {p.name: p.read_text() for p in tmp_path.iterdir()}
@@ -573,31 +690,53 @@ def test_check_resume_compares_every_recorded_setting(tmp_path):
     its old and new values; seed, batch size, dtype and device are not compared."""
     stem = tmp_path / "bench.n4-t0.6-p0.95"
     Path(f"{stem}.jsonl").write_text('{"idx": 0}\n')
-    dec = {"greedy": False, "n": 4, "temperature": 0.6, "top_p": 0.95, "top_k": 0,
-           "max_new_tokens": 100, "template": "plain", "seed": 0, "batch_size": 8,
-           "dtype": "float32", "device": "cpu"}
-    old = {"model": "org/model", "decoding": dec, "answer_extraction": "boxed",
-           "grader": "math-verify 1.0"}
+    dec = {
+        "greedy": False,
+        "n": 4,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 0,
+        "max_new_tokens": 100,
+        "template": "plain",
+        "seed": 0,
+        "batch_size": 8,
+        "dtype": "float32",
+        "device": "cpu",
+    }
+    old = {
+        "model": "org/model",
+        "decoding": dec,
+        "answer_extraction": "boxed",
+        "grader": "math-verify 1.0",
+    }
     Path(f"{stem}.json").write_text(json.dumps(old))
     ev.check_resume(stem, old)  # the same settings: fine
-    ev.check_resume(stem, {**old, "decoding": {**dec, "seed": 1, "batch_size": 2,
-                                                "dtype": "bfloat16", "device": "cuda"}})
-    changes = [("decoding", "n", 5, "--n 4 (now 5)"),
-               ("decoding", "temperature", 0.7, "--temperature 0.6 (now 0.7)"),
-               ("decoding", "top_p", 1.0, "--top-p 0.95 (now 1.0)"),
-               ("decoding", "max_new_tokens", 50, "--max-new-tokens 100 (now 50)"),
-               ("decoding", "template", "qwen_math", "--template plain (now qwen_math)"),
-               (None, "model", "org/other", "--model org/model (now org/other)"),
-               (None, "answer_extraction", "math_verify", "(now math_verify)"),
-               (None, "grader", "math-verify 2.0", "grader math-verify 1.0 (now math-verify 2.0)")]
+    ev.check_resume(
+        stem,
+        {
+            **old,
+            "decoding": {**dec, "seed": 1, "batch_size": 2, "dtype": "bfloat16", "device": "cuda"},
+        },
+    )
+    changes = [
+        ("decoding", "n", 5, "--n 4 (now 5)"),
+        ("decoding", "temperature", 0.7, "--temperature 0.6 (now 0.7)"),
+        ("decoding", "top_p", 1.0, "--top-p 0.95 (now 1.0)"),
+        ("decoding", "max_new_tokens", 50, "--max-new-tokens 100 (now 50)"),
+        ("decoding", "template", "qwen_math", "--template plain (now qwen_math)"),
+        (None, "model", "org/other", "--model org/model (now org/other)"),
+        (None, "answer_extraction", "math_verify", "(now math_verify)"),
+        (None, "grader", "math-verify 2.0", "grader math-verify 1.0 (now math-verify 2.0)"),
+    ]
     for where, key, value, needle in changes:
         new = {**old, "decoding": {**dec}}
         (new["decoding"] if where else new)[key] = value
         with pytest.raises(UserError, match=re.escape(needle)):
             ev.check_resume(stem, new)
     # a JSON from before --answer-extraction existed was graded on the last \boxed{}
-    Path(f"{stem}.json").write_text(json.dumps({k: v for k, v in old.items()
-                                                if k != "answer_extraction"}))
+    Path(f"{stem}.json").write_text(
+        json.dumps({k: v for k, v in old.items() if k != "answer_extraction"})
+    )
     ev.check_resume(stem, old)
     with pytest.raises(UserError, match="answer-extraction boxed"):
         ev.check_resume(stem, {**old, "answer_extraction": "math_verify"})
@@ -612,8 +751,9 @@ def test_check_resume_compares_every_recorded_setting(tmp_path):
     ev.check_resume(stem, old)
 
 
-def test_resume_after_a_crash_checks_the_settings_written_up_front(model_dir, tmp_path,
-                                                                    monkeypatch, one_line_error):
+def test_resume_after_a_crash_checks_the_settings_written_up_front(
+    model_dir, tmp_path, monkeypatch, one_line_error
+):
     """The settings are on disk before the first sample, so a run killed mid-way is checked too."""
     calls = []
 
@@ -631,8 +771,9 @@ def test_resume_after_a_crash_checks_the_settings_written_up_front(model_dir, tm
     assert res["decoding"]["max_new_tokens"] == 40 and res["answer_extraction"] == "boxed"
     assert len(read_jsonl(tmp_path / "tiny.greedy.jsonl")) == 8  # one batch of 8
 
-    err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, "--max-new-tokens", "30",
-                                            "--resume"))
+    err = one_line_error(
+        ev.main, tiny_argv(model_dir, tmp_path, "--max-new-tokens", "30", "--resume")
+    )
     assert "--max-new-tokens 40 (now 30)" in err
     generated = []
     monkeypatch.setattr(ev, "generate", constant_generate("\\boxed{0}", generated))
@@ -647,11 +788,23 @@ def test_cli_resume_with_other_settings_is_one_line(model_dir, tmp_path):
     out.mkdir()
     rows = [{"idx": 0, "sample": 0, "problem": "1+1", "gold": "2"}]
     (out / "tiny.greedy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "tiny.greedy.json").write_text(json.dumps({
-        "model": str(Path(model_dir).resolve()), "answer_extraction": "boxed",
-        "grader": "math-verify " + version("math-verify"),
-        "decoding": {"greedy": True, "n": 1, "temperature": 0.0, "top_p": 1.0,
-                     "max_new_tokens": 40, "template": "tiny"}}))
+    (out / "tiny.greedy.json").write_text(
+        json.dumps(
+            {
+                "model": str(Path(model_dir).resolve()),
+                "answer_extraction": "boxed",
+                "grader": "math-verify " + version("math-verify"),
+                "decoding": {
+                    "greedy": True,
+                    "n": 1,
+                    "temperature": 0.0,
+                    "top_p": 1.0,
+                    "max_new_tokens": 40,
+                    "template": "tiny",
+                },
+            }
+        )
+    )
     proc = run_cli(*tiny_argv(model_dir, out, "--max-new-tokens", "20", "--resume"))
     assert_one_line_error(proc, "--resume", "--max-new-tokens 40 (now 20)")
 
@@ -671,8 +824,20 @@ def test_same_file_name_in_two_folders(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "generate", constant_generate("\\boxed{4}"))
 
     def argv(out, benchmarks):
-        return ["--model", str(model_dir), "--benchmarks", benchmarks, "--template", "tiny",
-                "--device", "cpu", "--max-new-tokens", "8", "--output-dir", str(out)]
+        return [
+            "--model",
+            str(model_dir),
+            "--benchmarks",
+            benchmarks,
+            "--template",
+            "tiny",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+            "--output-dir",
+            str(out),
+        ]
 
     def by_source(out):
         found = {}
@@ -746,8 +911,10 @@ def test_answer_extraction_reaches_grade(model_dir, tmp_path, monkeypatch):
     seen.clear()
     assert ev.main(tiny_argv(model_dir, tmp_path / "boxed")) == 0  # the default
     assert seen == ["boxed"] * 16
-    assert json.loads((tmp_path / "boxed" / "tiny.greedy.json").read_text())[
-        "answer_extraction"] == "boxed"
+    assert (
+        json.loads((tmp_path / "boxed" / "tiny.greedy.json").read_text())["answer_extraction"]
+        == "boxed"
+    )
 
 
 def test_answer_extraction_grades_unboxed_answers(model_dir, tmp_path, monkeypatch):
@@ -783,8 +950,7 @@ def test_cli_unknown_answer_extraction():
 # =====================================================================================
 # One-line errors during a run
 # =====================================================================================
-def test_out_of_memory_is_one_line_and_resumable(model_dir, tmp_path, monkeypatch,
-                                                  one_line_error):
+def test_out_of_memory_is_one_line_and_resumable(model_dir, tmp_path, monkeypatch, one_line_error):
     calls = []
 
     def oom_on_second_batch(model, tok, prompt_ids, stop_ids):
@@ -815,8 +981,9 @@ def test_output_dir_that_cannot_be_made(model_dir, tmp_path, monkeypatch):
 # Damaged or mismatched weights, an output folder that cannot be written, non-finite flags:
 # one line each, before any work
 # =====================================================================================
-needs_tiny = pytest.mark.skipif(not (common.TINY_MODEL_DIR / "config.json").is_file(),
-                                reason="bundled tiny model not built")
+needs_tiny = pytest.mark.skipif(
+    not (common.TINY_MODEL_DIR / "config.json").is_file(), reason="bundled tiny model not built"
+)
 
 
 def copy_of_tiny(path: Path) -> Path:
@@ -833,8 +1000,10 @@ def lora_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = copy_of_tiny(tmp_path / "base")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     model.peft_config["default"].base_model_name_or_path = str(base)
     model.save_pretrained(tmp_path / "checkpoint-1")
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "checkpoint-1")
@@ -847,8 +1016,22 @@ def cut_short(path: Path) -> Path:
 
 
 def small_argv(model, out):
-    return ["--model", str(model), "--benchmarks", "tiny", "--template", "tiny", "--eval-n", "2",
-            "--max-new-tokens", "8", "--device", "cpu", "--output-dir", str(out)]
+    return [
+        "--model",
+        str(model),
+        "--benchmarks",
+        "tiny",
+        "--template",
+        "tiny",
+        "--eval-n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+    ]
 
 
 @needs_tiny
@@ -863,8 +1046,9 @@ def test_cut_short_weights_are_one_line_naming_the_file(tmp_path, lora_checkpoin
 
 @needs_tiny
 @pytest.mark.parametrize("layers, width", [(4, 64), (2, 128), (6, 128)])  # tiny: 4 layers of 128
-def test_adapters_whose_base_folder_holds_another_model_are_one_line(layers, width, lora_checkpoint,
-                                                                     tmp_path, one_line_error):
+def test_adapters_whose_base_folder_holds_another_model_are_one_line(
+    layers, width, lora_checkpoint, tmp_path, one_line_error
+):
     """Other widths were a state_dict traceback; other depths loaded, the adapters of missing
     layers dropped (or layers left without theirs) with no more than a warning."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -887,8 +1071,13 @@ def read_only_dir(tmp_path):
     folder.chmod(0o555)
     mounted = False
     if os.access(folder, os.W_OK):
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                                 capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
         if not mounted:
             folder.chmod(0o755)
             pytest.skip("cannot make a folder that this user cannot write")
@@ -898,9 +1087,9 @@ def read_only_dir(tmp_path):
     folder.chmod(0o755)
 
 
-def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(model_dir, read_only_dir,
-                                                                          monkeypatch,
-                                                                          one_line_error):
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(
+    model_dir, read_only_dir, monkeypatch, one_line_error
+):
     monkeypatch.setattr(ev, "load_benchmark", lambda *a, **k: pytest.fail("a benchmark was loaded"))
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     err = one_line_error(ev.main, tiny_argv(model_dir, read_only_dir))
@@ -909,8 +1098,9 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(model_
     assert err.startswith(f"error: cannot create --output-dir {read_only_dir / 'new'}: ")
 
 
-def test_every_float_flag_must_be_finite_before_any_work(model_dir, tmp_path, monkeypatch,
-                                                         one_line_error):
+def test_every_float_flag_must_be_finite_before_any_work(
+    model_dir, tmp_path, monkeypatch, one_line_error
+):
     monkeypatch.setattr(ev, "load_benchmark", lambda *a, **k: pytest.fail("a benchmark was loaded"))
     floats = [f.name for f in dataclasses.fields(ev.Args) if "float" in str(f.type)]
     assert {"temperature", "top_p"} <= {*floats}
@@ -961,9 +1151,11 @@ def test_answer_extractions_come_from_the_one_list_in_common(model_dir, tmp_path
     monkeypatch.setattr(ev, "load_benchmark", past_the_checks)
     monkeypatch.setattr(common, "ANSWER_EXTRACTIONS", (*common.ANSWER_EXTRACTIONS, "new"))
     with pytest.raises(UserError, match="past the checks"):
-        ev.evaluate(ev.Args(model=str(model_dir), answer_extraction="new",
-                            output_dir=str(tmp_path)))
+        ev.evaluate(
+            ev.Args(model=str(model_dir), answer_extraction="new", output_dir=str(tmp_path))
+        )
     monkeypatch.setattr(common, "ANSWER_EXTRACTIONS", ("boxed",))
     with pytest.raises(UserError, match="--answer-extraction must be one of boxed, not 'math_v"):
-        ev.evaluate(ev.Args(model=str(model_dir), answer_extraction="math_verify",
-                            output_dir=str(tmp_path)))
+        ev.evaluate(
+            ev.Args(model=str(model_dir), answer_extraction="math_verify", output_dir=str(tmp_path))
+        )

@@ -14,12 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_check_runs_at_tiny_shapes_on_cpu():
-    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu",
-                        "--small"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--small"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = p.stdout
-    for section in ("## 1. Every script", "## 2. Qwen2.5-Math-1.5B's shapes (small)",
-                    "## 3. generate()", "## 4. eval.py"):
+    for section in (
+        "## 1. Every script",
+        "## 2. Qwen2.5-Math-1.5B's shapes (small)",
+        "## 3. generate()",
+        "## 4. eval.py",
+    ):
         assert section in out, section
     for name in gpu_check.SCRIPTS:
         assert f"| {name} |" in out
@@ -34,8 +43,11 @@ def test_the_check_runs_at_tiny_shapes_on_cpu():
 
 def test_a_missing_package_names_the_wheels(monkeypatch, capsys):
     real = gpu_check.importlib.util.find_spec
-    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
-                        lambda name: None if name == "math_verify" else real(name))
+    monkeypatch.setattr(
+        gpu_check.importlib.util,
+        "find_spec",
+        lambda name: None if name == "math_verify" else real(name),
+    )
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--device", "cpu", "--small"])
     assert e.value.code == 2

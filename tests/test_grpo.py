@@ -35,13 +35,16 @@ def test_k3_hand_value():
     assert (grpo.k3_kl(torch.randn(100), torch.randn(100)) >= 0).all()
 
 
-@pytest.mark.parametrize("ratio,A,expected", [
-    (1.5, 1.0, -1.2),   # positive advantage: capped at 1 + eps
-    (1.5, -1.0, 1.5),   # negative advantage: min picks the unclipped (more pessimistic) term
-    (0.5, 1.0, -0.5),   # positive advantage, ratio below 1 - eps: unclipped
-    (0.5, -1.0, 0.8),   # negative advantage: floored at 1 - eps
-    (1.1, 2.0, -2.2),   # inside the clip range: ratio * A
-])
+@pytest.mark.parametrize(
+    "ratio,A,expected",
+    [
+        (1.5, 1.0, -1.2),  # positive advantage: capped at 1 + eps
+        (1.5, -1.0, 1.5),  # negative advantage: min picks the unclipped (more pessimistic) term
+        (0.5, 1.0, -0.5),  # positive advantage, ratio below 1 - eps: unclipped
+        (0.5, -1.0, 0.8),  # negative advantage: floored at 1 - eps
+        (1.1, 2.0, -2.2),  # inside the clip range: ratio * A
+    ],
+)
 def test_clipped_ratio_term_hand_values(ratio, A, expected):
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(ratio))
@@ -67,8 +70,9 @@ def test_seq_mean_token_mean_hand_value():
 def test_grpo_loss_with_kl_hand_value():
     logp = torch.log(torch.tensor([[0.25, 0.5]]))
     ref = torch.log(torch.tensor([[0.5, 0.5]]))
-    loss = grpo.grpo_loss(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]),
-                          kl_coef=0.1)
+    loss = grpo.grpo_loss(
+        logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]), kl_coef=0.1
+    )
     st = grpo.grpo_stats(logp, logp.clone(), ref, torch.tensor([2.0]), torch.tensor([[1.0, 1.0]]))
     # ratio 1: pg = -2 per token; kl = [1 - log 2, 0]; mean over 2 tokens
     expected = (-2 + 0.1 * (1 - math.log(2)) + -2 + 0.0) / 2
@@ -81,8 +85,9 @@ def test_first_update_gradient_is_policy_gradient():
     B, T = 4, 5
     logp = torch.randn(B, T, requires_grad=True)
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
-                         [1, 1, 0, 0, 0]]).float()
+    mask = torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    ).float()
     loss = grpo.grpo_loss(logp, logp.detach(), None, A, mask, kl_coef=0.0)
     loss.backward()
     expected = -A[:, None] * mask / mask.sum(1, keepdim=True) / B
@@ -105,8 +110,9 @@ def test_micro_batch_invariance_of_loss_and_gradients():
         split = logp0.clone().requires_grad_()
         total = 0.0
         for idx in torch.arange(B).tensor_split(k):
-            l = grpo.grpo_loss(split[idx], old[idx], ref[idx], A[idx], mask[idx], kl_coef=0.04,
-                               num_seqs=B)
+            l = grpo.grpo_loss(
+                split[idx], old[idx], ref[idx], A[idx], mask[idx], kl_coef=0.04, num_seqs=B
+            )
             l.backward()
             total += l.item()
         assert total == pytest.approx(loss_full.item(), abs=1e-6)
@@ -116,8 +122,9 @@ def test_micro_batch_invariance_of_loss_and_gradients():
 def test_all_equal_group_gives_finite_loss_and_gradients():
     A = grpo.group_advantages(torch.ones(4), G=4)
     logp = torch.randn(4, 3, requires_grad=True)
-    loss = grpo.grpo_loss(logp,
-                          logp.detach() - 0.1, logp.detach(), A, torch.ones(4, 3), kl_coef=0.04)
+    loss = grpo.grpo_loss(
+        logp, logp.detach() - 0.1, logp.detach(), A, torch.ones(4, 3), kl_coef=0.04
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
@@ -125,12 +132,14 @@ def test_all_equal_group_gives_finite_loss_and_gradients():
 # ------------------------------------------------------------------ masks and log-probs
 def test_position_mask_when_pad_equals_eos():
     eos, im_end = 0, 2  # pad == eos == 0, as in Qwen base models
-    ids = torch.tensor([
-        [5, 6, 0, 0, 0],  # ends with EOS at 2, then padding that is also EOS
-        [0, 0, 0, 0, 0],  # EOS first: only that token counts
-        [5, 6, 7, 8, 9],  # truncated: every token counts
-        [5, 2, 0, 0, 0],  # ends on the second EOS id
-    ])
+    ids = torch.tensor(
+        [
+            [5, 6, 0, 0, 0],  # ends with EOS at 2, then padding that is also EOS
+            [0, 0, 0, 0, 0],  # EOS first: only that token counts
+            [5, 6, 7, 8, 9],  # truncated: every token counts
+            [5, 2, 0, 0, 0],  # ends on the second EOS id
+        ]
+    )
     m = grpo.completion_mask(ids, [eos, im_end])
     assert m.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert (ids != eos).long().tolist() != m.tolist()  # the pad-based mask would be wrong
@@ -151,13 +160,25 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
     torch.manual_seed(0)
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert (enc["attention_mask"] == 0).any()  # left padding is exercised
-    out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=8,
-                         eos_token_id=[-1], pad_token_id=tok.pad_token_id, output_logits=True,
-                         return_dict_in_generate=True)
-    comp = out.sequences[:, enc["input_ids"].shape[1]:]
+    out = model.generate(
+        **enc,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        max_new_tokens=8,
+        eos_token_id=[-1],
+        pad_token_id=tok.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    comp = out.sequences[:, enc["input_ids"].shape[1] :]
     mask = torch.ones_like(comp)
-    batch = dict(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"],
-                 completion_ids=comp, mask=mask)
+    batch = dict(
+        prompt_ids=enc["input_ids"],
+        prompt_mask=enc["attention_mask"],
+        completion_ids=comp,
+        mask=mask,
+    )
     args = grpo.Args(temperature=temperature, bf16=False, device="cpu")
     with torch.no_grad():
         logp, ent, _ = grpo.token_logps_and_entropy(model, batch, torch.arange(2), args)
@@ -179,8 +200,9 @@ def _rollout_batch(tiny_dir, n_prompts=3, G=4):
         for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]
     ]
     torch.manual_seed(0)
-    batch = grpo.generate_rollouts(model, tok, prompts, G, args, grpo.eos_token_ids(model, tok),
-                                   torch.device("cpu"))
+    batch = grpo.generate_rollouts(
+        model, tok, prompts, G, args, grpo.eos_token_ids(model, tok), torch.device("cpu")
+    )
     return model, batch, args
 
 
@@ -188,11 +210,12 @@ def _pad_batch(batch, left: int, right: int, pad_id: int) -> dict:
     """The same rows with `left` more padding columns before the prompts, `right` after the
     completions."""
     return dict(
-        batch, prompt_ids=torch.nn.functional.pad(
-            batch["prompt_ids"], (left, 0), value=pad_id), prompt_mask=torch.nn.functional.pad(
-                batch["prompt_mask"], (left, 0)), completion_ids=torch.nn.functional.pad(
-                    batch["completion_ids"], (0, right), value=pad_id),
-        mask=torch.nn.functional.pad(batch["mask"], (0, right)))
+        batch,
+        prompt_ids=torch.nn.functional.pad(batch["prompt_ids"], (left, 0), value=pad_id),
+        prompt_mask=torch.nn.functional.pad(batch["prompt_mask"], (left, 0)),
+        completion_ids=torch.nn.functional.pad(batch["completion_ids"], (0, right), value=pad_id),
+        mask=torch.nn.functional.pad(batch["mask"], (0, right)),
+    )
 
 
 def test_micro_batches_cover_rows_once_in_length_order(tiny_dir):
@@ -212,29 +235,34 @@ def test_model_inputs_trim_padding_without_changing_logps(tiny_dir):
     model, batch, args = _rollout_batch(tiny_dir)
     padded = _pad_batch(batch, 3, 5, pad_id=0)
     ids, attn, pos, T = grpo.model_inputs(padded, torch.arange(len(batch["mask"])))
-    assert T == int(
-        batch["mask"].sum(1).max()) and ids.shape[1] == T + int(batch["prompt_mask"].sum(1).max())
+    assert T == int(batch["mask"].sum(1).max()) and ids.shape[1] == T + int(
+        batch["prompt_mask"].sum(1).max()
+    )
     short = batch["mask"].sum(1).argsort()[:2]
     assert grpo.model_inputs(batch, short)[3] == int(batch["mask"][short].sum(1).max()) < T
     with torch.no_grad():
         ref = grpo.token_logps_and_entropy(model, batch, torch.arange(len(batch["mask"])), args)
         pad = grpo.token_logps_and_entropy(model, padded, torch.arange(len(batch["mask"])), args)
         for k in range(2):
-            assert torch.allclose(pad[k][:, :batch["mask"].shape[1]], ref[k], atol=1e-5)
-            assert torch.all(pad[k][:, batch["mask"].shape[1]:] == 0)
+            assert torch.allclose(pad[k][:, : batch["mask"].shape[1]], ref[k], atol=1e-5)
+            assert torch.all(pad[k][:, batch["mask"].shape[1] :] == 0)
         for size in (1, 5):  # batch_logps regroups rows by length and must give them back in order
-            got = grpo.batch_logps(model, batch,
-                                   grpo.Args(**{**vars(args), "micro_batch_size": size}))
+            got = grpo.batch_logps(
+                model, batch, grpo.Args(**{**vars(args), "micro_batch_size": size})
+            )
             assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(
-                got[1], ref[1], atol=1e-5)
+                got[1], ref[1], atol=1e-5
+            )
     assert torch.all(ref[0][batch["mask"] == 0] == 0)
 
 
 def test_eos_ids_include_both_qwen_ends(tiny_dir):
     model, tok = _tiny_policy(tiny_dir)
     ids = grpo.eos_token_ids(model, tok)
-    assert tok.convert_tokens_to_ids("<|im_end|>") in ids and tok.convert_tokens_to_ids(
-        "<|endoftext|>") in ids
+    assert (
+        tok.convert_tokens_to_ids("<|im_end|>") in ids
+        and tok.convert_tokens_to_ids("<|endoftext|>") in ids
+    )
 
 
 def test_rollouts_shapes_and_grouping(tiny_dir):
@@ -242,22 +270,31 @@ def test_rollouts_shapes_and_grouping(tiny_dir):
     args = grpo.resolve_args(grpo.Args(run_name="x"))
     prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
     torch.manual_seed(0)
-    b = grpo.generate_rollouts(model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok),
-                               torch.device("cpu"))
+    b = grpo.generate_rollouts(
+        model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok), torch.device("cpu")
+    )
     assert b["completion_ids"].shape[0] == 12 and len(b["texts"]) == 12
     assert torch.equal(b["prompt_ids"][4], b["prompt_ids"][7])
     assert not torch.equal(b["prompt_ids"][3], b["prompt_ids"][4])
-    assert torch.equal(b["mask"],
-                       grpo.completion_mask(b["completion_ids"], grpo.eos_token_ids(model, tok)))
+    assert torch.equal(
+        b["mask"], grpo.completion_mask(b["completion_ids"], grpo.eos_token_ids(model, tok))
+    )
     assert b["truncated"].dtype == torch.bool
 
 
 # ------------------------------------------------------------------ reward
 def test_reward_counts_unparsable():
-    r, c, p = grpo.reward_fn(["x \\boxed{4}", "\\boxed{5}", "no box here"], ["4", "4", "4"],
-                             torch.tensor([5, 3, 4]), grpo.Args())
-    assert r.tolist() == [1.0, 0.0, 0.0] and c.tolist() == [1.0, 0.0, 0.0
-                                                            ] and p.tolist() == [1.0, 1.0, 0.0]
+    r, c, p = grpo.reward_fn(
+        ["x \\boxed{4}", "\\boxed{5}", "no box here"],
+        ["4", "4", "4"],
+        torch.tensor([5, 3, 4]),
+        grpo.Args(),
+    )
+    assert (
+        r.tolist() == [1.0, 0.0, 0.0]
+        and c.tolist() == [1.0, 0.0, 0.0]
+        and p.tolist() == [1.0, 1.0, 0.0]
+    )
 
 
 def test_decoded_text_stops_at_the_first_eos(tiny_dir):

@@ -22,9 +22,22 @@ import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["grpo", "dapo", "tepo"]
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "8",
-         "--num-mini-batches", "2", "--sample-every", "100", "--tensorboard", "false",
-         "--eval-dataset", "none"]
+SMALL = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--micro-batch-size",
+    "8",
+    "--num-mini-batches",
+    "2",
+    "--sample-every",
+    "100",
+    "--tensorboard",
+    "false",
+    "--eval-dataset",
+    "none",
+]
 
 
 def _error_of(mod, capsys, argv):
@@ -38,8 +51,10 @@ def _error_of(mod, capsys, argv):
 
 def _strict_rows(run_dir):
     """metrics.jsonl must be strict JSON: no bare NaN or Infinity."""
+
     def reject(name):
         raise AssertionError(f"non-standard JSON constant {name}")
+
     text = (Path(run_dir) / "metrics.jsonl").read_text()
     return [json.loads(line, parse_constant=reject) for line in text.splitlines() if line.strip()]
 
@@ -48,9 +63,24 @@ def _strict_rows(run_dir):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_group_of_one_is_refused(name, tmp_path, capsys):
     mod = importlib.import_module(name)
-    err = _error_of(mod, capsys,
-                    ["--group-size", "1", "--prompts-per-step", "2", "--num-mini-batches", "1",
-                     "--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path)])
+    err = _error_of(
+        mod,
+        capsys,
+        [
+            "--group-size",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--num-mini-batches",
+            "1",
+            "--steps",
+            "1",
+            "--eval-dataset",
+            "none",
+            "--output-dir",
+            str(tmp_path),
+        ],
+    )
     assert err.startswith("error: --group-size must be at least 2")
 
 
@@ -72,6 +102,7 @@ def test_optimizer_step_skips_non_finite_gradients():
 
 def test_nan_loss_skips_every_update_and_logs_strict_json(tmp_path, monkeypatch, capsys):
     import grpo
+
     real = grpo.grpo_loss
     monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: real(*a, **k) * float("nan"))
     grpo.main(["--steps", "1", "--output-dir", str(tmp_path), "--run-name", "nan", *SMALL])
@@ -85,6 +116,7 @@ def test_nan_loss_skips_every_update_and_logs_strict_json(tmp_path, monkeypatch,
 
 def test_non_finite_weights_are_never_saved(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     run = type("R", (), {})()  # just enough of a Run for Run.save
@@ -110,6 +142,7 @@ def test_logger_keeps_small_floats_and_writes_null_for_nan(tmp_path):
 # ---------------------------------------------------------------- 2. never lose or overwrite a run
 def test_existing_run_folder_is_refused_and_resume_writes_where_pointed(tmp_path, capsys):
     import grpo
+
     base = ["--steps", "2", "--save-every", "1", "--output-dir", str(tmp_path), *SMALL]
     grpo.main([*base, "--run-name", "b"])
     before = (tmp_path / "b" / "metrics.jsonl").read_text()
@@ -125,15 +158,30 @@ def test_existing_run_folder_is_refused_and_resume_writes_where_pointed(tmp_path
     assert [r["step"] for r in harness.read_metrics(tmp_path / "copy")] == [1, 2, 3]
     # a failed resume leaves the run's arguments alone
     args_before = (tmp_path / "b" / "args.json").read_text()
-    err = _error_of(grpo, capsys,
-                    ["--resume", str(tmp_path / "b"), "--steps", "3", "--device", "nope"])
+    err = _error_of(
+        grpo, capsys, ["--resume", str(tmp_path / "b"), "--steps", "3", "--device", "nope"]
+    )
     assert "unknown --device" in err and (tmp_path / "b" / "args.json").read_text() == args_before
 
 
 def test_resume_after_a_crash_cuts_metrics_back_to_the_checkpoint(tmp_path):
     import grpo
-    grpo.main(["--steps", "3", "--save-every", "2", "--keep-checkpoints", "3", "--output-dir",
-               str(tmp_path), "--run-name", "c", *SMALL])
+
+    grpo.main(
+        [
+            "--steps",
+            "3",
+            "--save-every",
+            "2",
+            "--keep-checkpoints",
+            "3",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "c",
+            *SMALL,
+        ]
+    )
     run = tmp_path / "c"
     shutil.rmtree(run / "checkpoint-3")  # as if killed after logging step 3, before saving it
     (run / "latest").write_text("checkpoint-2\n")
@@ -145,8 +193,22 @@ def test_resume_after_a_crash_cuts_metrics_back_to_the_checkpoint(tmp_path):
 
 def test_only_the_newest_checkpoint_keeps_the_optimizer(tmp_path):
     import grpo
-    grpo.main(["--steps", "3", "--save-every", "1", "--keep-checkpoints", "2", "--output-dir",
-               str(tmp_path), "--run-name", "o", *SMALL])
+
+    grpo.main(
+        [
+            "--steps",
+            "3",
+            "--save-every",
+            "1",
+            "--keep-checkpoints",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "o",
+            *SMALL,
+        ]
+    )
     ckpts = sorted((tmp_path / "o").glob("checkpoint-*"))
     assert [p.name for p in ckpts] == ["checkpoint-2", "checkpoint-3"]
     assert not (ckpts[0] / "optimizer.pt").exists() and (ckpts[1] / "optimizer.pt").is_file()
@@ -156,6 +218,7 @@ def test_only_the_newest_checkpoint_keeps_the_optimizer(tmp_path):
 
 def test_resave_of_a_step_never_leaves_latest_dangling(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
@@ -173,13 +236,29 @@ def test_resave_of_a_step_never_leaves_latest_dangling(tmp_path, tiny_dir):
 
 def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     run = tmp_path / "term"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), "--steps", "200",
-                             "--save-every", "1000", "--output-dir", str(tmp_path), "--run-name",
-                             "term", *SMALL], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "grpo.py"),
+            "--steps",
+            "200",
+            "--save-every",
+            "1000",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "term",
+            *SMALL,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 180
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file()
-                                          and (run / "metrics.jsonl").read_text()):
+    while time.time() < deadline and not (
+        (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
@@ -190,16 +269,18 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
 
 
 # ------------------------------------------------------ 3. one-line errors, before any model loads
-BAD_FLAGS = [(["--lr", "-1"], "--lr must be > 0"),
-             (["--temperature", "0"], "--temperature must be > 0"),
-             (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-             (["--num-mini-batches", "0"], "--num-mini-batches must be at least 1"),
-             (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
-             (["--prompts-per-step", "0"], "--prompts-per-step must be at least 1"),
-             (["--save-every", "0"], "--save-every must be at least 1"),
-             (["--sample-every", "0"], "--sample-every must be"),
-             (["--steps", "-1"], "--steps must be at least 1"),
-             (["--top-p", "0"], "--top-p must be in (0, 1]"),]
+BAD_FLAGS = [
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--num-mini-batches", "0"], "--num-mini-batches must be at least 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
+    (["--prompts-per-step", "0"], "--prompts-per-step must be at least 1"),
+    (["--save-every", "0"], "--save-every must be at least 1"),
+    (["--sample-every", "0"], "--sample-every must be"),
+    (["--steps", "-1"], "--steps must be at least 1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+]
 
 
 @pytest.mark.parametrize("name", [*SCRIPTS, "erpo", "sapo"])
@@ -222,8 +303,9 @@ def _float_flags(mod) -> list[str]:
 
 
 @pytest.mark.parametrize("name", [*SCRIPTS, "erpo", "sapo"])
-def test_every_float_flag_must_be_finite_before_any_model_loads(name, tmp_path, capsys,
-                                                                monkeypatch):
+def test_every_float_flag_must_be_finite_before_any_model_loads(
+    name, tmp_path, capsys, monkeypatch
+):
     """inf passes `> 0` and nan fails no `< 0`: without their own check, --lr inf, --weight-decay
     nan or --lora-alpha nan got past the range checks and failed later, mostly in a traceback."""
     mod = importlib.import_module(name)
@@ -241,17 +323,20 @@ def test_every_float_flag_must_be_finite_before_any_model_loads(name, tmp_path, 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys, monkeypatch):
     import grpo
+
     out = ["--output-dir", str(tmp_path)]
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert "cannot write the run folder" in _error_of(grpo, capsys,
-                                                      ["--output-dir", str(blocker / "runs")])
+    assert "cannot write the run folder" in _error_of(
+        grpo, capsys, ["--output-dir", str(blocker / "runs")]
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert "is empty" in _error_of(grpo, capsys, ["--dataset", str(empty), *out])
     (tmp_path / "empty_model").mkdir()
-    assert "has no config.json" in _error_of(grpo, capsys,
-                                             ["--model", str(tmp_path / "empty_model"), *out])
+    assert "has no config.json" in _error_of(
+        grpo, capsys, ["--model", str(tmp_path / "empty_model"), *out]
+    )
     # the dataset is checked before the models load
     monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     bad = tmp_path / "bad.jsonl"
@@ -261,19 +346,24 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys, monkeypatch):
 
 def test_truncated_weights_on_resume_are_a_clear_error(tmp_path, capsys):
     import grpo
+
     grpo.main(["--steps", "1", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL])
     weights = harness.find_checkpoint(tmp_path / "t") / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     err = _error_of(grpo, capsys, ["--resume", str(tmp_path / "t"), "--steps", "2"])
-    assert err.startswith(f"error: cannot resume from {weights.parent}: the weights file {weights} "
-                          f"is cut short")
+    assert err.startswith(
+        f"error: cannot resume from {weights.parent}: the weights file {weights} is cut short"
+    )
     assert err.endswith("no earlier checkpoint of this run is intact")  # the only one
 
 
 def test_null_answers_are_dropped_and_counted(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
-    rows = [{"problem": "1+1", "answer": "2"}, {"problem": "2+2", "answer": None},
-            {"problem": "3+3", "answer": "6"}]
+    rows = [
+        {"problem": "1+1", "answer": "2"},
+        {"problem": "2+2", "answer": None},
+        {"problem": "3+3", "answer": "6"},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = tasks.load_problems(str(data))
     assert [r["answer"] for r in got] == ["2", "6"]
@@ -283,8 +373,10 @@ def test_null_answers_are_dropped_and_counted(tmp_path, capsys):
 # -------------------------------------------------------------- 4. a run that cannot learn says so
 def test_a_silent_run_warns_with_the_likely_cause(tmp_path, monkeypatch, capsys):
     import grpo
-    monkeypatch.setattr(grpo, "reward_fn", lambda texts, answers, lengths,
-                        args: (torch.zeros(len(texts)),) * 3)
+
+    monkeypatch.setattr(
+        grpo, "reward_fn", lambda texts, answers, lengths, args: (torch.zeros(len(texts)),) * 3
+    )
     grpo.main(["--steps", "5", "--output-dir", str(tmp_path), "--run-name", "s", *SMALL])
     err = capsys.readouterr().err
     assert err.count("almost no learning signal") == 1
@@ -294,6 +386,7 @@ def test_a_silent_run_warns_with_the_likely_cause(tmp_path, monkeypatch, capsys)
 
 def test_answer_extraction_option_grades_free_text_answers():
     import grpo
+
     texts = ["The answer is: 42", "#### 42", "so it is \\boxed{42}", "The answer is: 41"]
     lengths = torch.tensor([len(t) for t in texts])
     boxed = grpo.reward_fn(texts, ["42"] * 4, lengths, grpo.Args())[1]
@@ -301,23 +394,33 @@ def test_answer_extraction_option_grades_free_text_answers():
     assert boxed.tolist() == [0, 0, 1, 0] and free.tolist() == [1, 1, 1, 0]
 
 
-@pytest.mark.parametrize("text,gold,right", [
-    ("\\boxed{(2, 2)} and \\boxed{(6, 2)}", "(2, 2), (6, 2)", True),  # an answer in several boxes
-    ("\\boxed{3} and \\boxed{5}", "3, 5", True),
-    ("\\boxed{5} ... no, \\boxed{7}", "7", True),  # a self-correction counts the last box
-    ("\\boxed{7} ... no, \\boxed{5}", "7", False),
-    ("\\boxed{5} ... no, \\boxed{7}", "5", False),
-    ("\\boxed{3} and \\boxed{5}", "5, 3", True),  # sets compare unordered in math-verify
-])
+@pytest.mark.parametrize(
+    "text,gold,right",
+    [
+        (
+            "\\boxed{(2, 2)} and \\boxed{(6, 2)}",
+            "(2, 2), (6, 2)",
+            True,
+        ),  # an answer in several boxes
+        ("\\boxed{3} and \\boxed{5}", "3, 5", True),
+        ("\\boxed{5} ... no, \\boxed{7}", "7", True),  # a self-correction counts the last box
+        ("\\boxed{7} ... no, \\boxed{5}", "7", False),
+        ("\\boxed{5} ... no, \\boxed{7}", "5", False),
+        ("\\boxed{3} and \\boxed{5}", "5, 3", True),  # sets compare unordered in math-verify
+    ],
+)
 def test_several_boxes_rule(text, gold, right):
     assert tasks.grade(text, gold).correct is right
 
 
 def test_dapo_overlong_cache_must_fit_the_completion_cap(tmp_path, capsys):
     import dapo
-    err = _error_of(dapo, capsys,
-                    ["--max-new-tokens", "8", "--overlong-cache", "8", "--output-dir",
-                     str(tmp_path)])
+
+    err = _error_of(
+        dapo,
+        capsys,
+        ["--max-new-tokens", "8", "--overlong-cache", "8", "--output-dir", str(tmp_path)],
+    )
     assert "--overlong-cache 8 must be" in err
     # preset's 8 > 6
     args = dapo.resolve_args(dapo.Args(max_new_tokens=6, run_name="x", device="cpu"))
@@ -326,19 +429,23 @@ def test_dapo_overlong_cache_must_fit_the_completion_cap(tmp_path, capsys):
 
 def test_periodic_eval_uses_the_same_problems_whatever_the_seed():
     import grpo
+
     tok, ctx = grpo.load_tokenizer("tiny", False)
-    a = grpo.load_data(grpo.resolve_args(grpo.Args(seed=1, run_name="x", device="cpu")), tok,
-                       ctx)[1]
-    b = grpo.load_data(grpo.resolve_args(grpo.Args(seed=7, run_name="x", device="cpu")), tok,
-                       ctx)[1]
+    a = grpo.load_data(grpo.resolve_args(grpo.Args(seed=1, run_name="x", device="cpu")), tok, ctx)[
+        1
+    ]
+    b = grpo.load_data(grpo.resolve_args(grpo.Args(seed=7, run_name="x", device="cpu")), tok, ctx)[
+        1
+    ]
     assert [r["problem"] for r in a] == [r["problem"] for r in b] and len(a) == 256
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_dapo_math_keeps_a_held_out_evaluation(name, tmp_path):
     mod = importlib.import_module(name)
-    args = mod.resolve_args(mod.Args(model=str(tmp_path), dataset="dapo-math", run_name="x",
-                                     device="cpu", preset="gpu"))
+    args = mod.resolve_args(
+        mod.Args(model=str(tmp_path), dataset="dapo-math", run_name="x", device="cpu", preset="gpu")
+    )
     assert args.eval_dataset == "math"
 
 
@@ -349,14 +456,16 @@ def skewed_tiny(tmp_path):
     path = tmp_path / "skewed"
     shutil.copytree(common.TINY_MODEL_DIR, path, ignore=shutil.ignore_patterns("build.py"))
     cfg = json.loads((path / "generation_config.json").read_text())
-    cfg.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.9, repetition_penalty=1.5,
-               min_p=0.2)
+    cfg.update(
+        do_sample=True, temperature=0.6, top_k=20, top_p=0.9, repetition_penalty=1.5, min_p=0.2
+    )
     (path / "generation_config.json").write_text(json.dumps(cfg))
     return path
 
 
 def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny):
     import grpo
+
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu"))
     tok, _ = grpo.load_tokenizer("tiny", False)
     prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 4)]
@@ -365,8 +474,9 @@ def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny)
         model = grpo.load_model(name, torch.device("cpu"), args, trainable=False)
         eos = grpo.eos_token_ids(model, tok)
         torch.manual_seed(0)
-        sampled = grpo.generate_rollouts(model, tok, prompts, 4, args, eos,
-                                         torch.device("cpu"))["completion_ids"]
+        sampled = grpo.generate_rollouts(model, tok, prompts, 4, args, eos, torch.device("cpu"))[
+            "completion_ids"
+        ]
         rows = [{"prompt": p, "answer": "0"} for p in prompts]
         seen = []
         real_grade = tasks.grade
@@ -376,29 +486,33 @@ def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny)
             grpo.evaluate(model, tok, rows, args, eos, torch.device("cpu"))
         finally:
             tasks.grade = real_grade
-        outs[name] = (sampled, seen[:len(rows)])  # the greedy texts come first
+        outs[name] = (sampled, seen[: len(rows)])  # the greedy texts come first
     (s0, g0), (s1, g1) = outs.values()
-    assert torch.equal(s0,
-                       s1), "the model's generation_config.json changed how rollouts were sampled"
+    assert torch.equal(s0, s1), (
+        "the model's generation_config.json changed how rollouts were sampled"
+    )
     assert g0 == g1
 
 
 def test_reference_and_policy_agree_exactly_at_step_0_under_bf16_autocast():
     import grpo
+
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu", bf16=True, micro_batch_size=5))
     tok, _ = grpo.load_tokenizer("tiny", False)
     policy = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
     ref = grpo.load_model("tiny", torch.device("cpu"), args, trainable=False)
     prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 3)]
     torch.manual_seed(0)
-    batch = grpo.generate_rollouts(policy, tok, prompts, 4, args, grpo.eos_token_ids(policy, tok),
-                                   torch.device("cpu"))
+    batch = grpo.generate_rollouts(
+        policy, tok, prompts, 4, args, grpo.eos_token_ids(policy, tok), torch.device("cpu")
+    )
     old_logp, _, _ = grpo.batch_logps(policy, batch, args)
     ref_logp, _, _ = grpo.batch_logps(ref, batch, args)
     kl = grpo.k3_kl(ref_logp, old_logp)
     assert kl.abs().max().item() == 0.0
-    fp32 = grpo.batch_logps(policy, batch,
-                            grpo.resolve_args(grpo.Args(run_name="x", device="cpu", bf16=False)))[0]
+    fp32 = grpo.batch_logps(
+        policy, batch, grpo.resolve_args(grpo.Args(run_name="x", device="cpu", bf16=False))
+    )[0]
     assert not torch.equal(fp32, old_logp)  # bf16 autocast really was on
 
 
@@ -406,13 +520,15 @@ def test_chunked_log_probs_match_full_logits_in_value_and_gradient():
     """The output layer runs over chunks of valid positions: values and gradients are those of the
     plain computation from full [B, T, V] logits."""
     import grpo
+
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu", temperature=0.7))
     tok, _ = grpo.load_tokenizer("tiny", False)
     model = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
     prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 3)]
     torch.manual_seed(0)
-    batch = grpo.generate_rollouts(model, tok, prompts, 2, args, grpo.eos_token_ids(model, tok),
-                                   torch.device("cpu"))
+    batch = grpo.generate_rollouts(
+        model, tok, prompts, 2, args, grpo.eos_token_ids(model, tok), torch.device("cpu")
+    )
     model.train()
     rows, mask = torch.arange(6), batch["mask"].bool()
     assert (~mask).any()  # padding is exercised
@@ -420,9 +536,10 @@ def test_chunked_log_probs_match_full_logits_in_value_and_gradient():
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     att = torch.cat([batch["prompt_mask"], batch["mask"]], 1)
     T = batch["completion_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=att,
-                   position_ids=(att.cumsum(1) - 1).clamp(min=0)).logits
-    logits = logits[:, -T - 1:-1].float() / 0.7
+    logits = model(
+        input_ids=ids, attention_mask=att, position_ids=(att.cumsum(1) - 1).clamp(min=0)
+    ).logits
+    logits = logits[:, -T - 1 : -1].float() / 0.7
     full = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
     full_ent = torch.distributions.Categorical(logits=logits).entropy()
     full_loss = torch.where(mask, full, 0.0).sum()
@@ -442,15 +559,27 @@ def test_a_model_that_transforms_its_logits_is_refused(tmp_path):
     lm_head(hidden) and would train on other logits than generate samples from."""
     import grpo
     from transformers import Gemma2Config, Gemma2ForCausalLM
-    kw = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+
+    kw = dict(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     for cap, ok in ((0.5, False), (None, True)):
         torch.manual_seed(0)
-        Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=cap,
-                                       **kw)).save_pretrained(tmp_path / str(cap))
+        Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=cap, **kw)).save_pretrained(
+            tmp_path / str(cap)
+        )
+
         def load():
-            return grpo.load_model(str(tmp_path / str(cap)), torch.device("cpu"), grpo.Args(),
-                                   False)
+            return grpo.load_model(
+                str(tmp_path / str(cap)), torch.device("cpu"), grpo.Args(), False
+            )
+
         if ok:
             assert load() is not None
         else:
@@ -462,6 +591,7 @@ def test_a_model_that_transforms_its_logits_is_refused(tmp_path):
 def test_padding_overflow_cannot_become_nan(agg):
     import dapo
     import grpo
+
     fn = getattr(grpo, agg, None) or getattr(dapo, agg)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     l = torch.tensor([[1.0, 2.0, math.inf], [3.0, math.nan, -math.inf]])

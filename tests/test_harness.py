@@ -21,15 +21,28 @@ import tasks
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-dataset",
-        "none", "--device", "cpu", "--tensorboard", "false"]
+FAST = [
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "8",
+    "--eval-dataset",
+    "none",
+    "--device",
+    "cpu",
+    "--tensorboard",
+    "false",
+]
 
 
 # =====================================================================================
 # --resume keeps the run's arguments
 # =====================================================================================
-def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_path,
-                                                                            one_line_error):
+def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(
+    tmp_path, one_line_error
+):
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
     run = tmp_path / "r"
     err = one_line_error(grpo.main, ["--resume", str(run), "--lr", "0.5"])
@@ -38,8 +51,20 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(tmp_
     assert "--group-size 4 (the run has 2)" in err
     assert [r["step"] for r in harness.read_metrics(run)] == [1]  # nothing ran, nothing was lost
     # the same value as saved is not a change; RESUMABLE flags are applied
-    grpo.main(["--resume", str(run), "--steps", "2", "--lr", "2e-4", "--save-every", "5",
-               "--device", "cpu"])
+    grpo.main(
+        [
+            "--resume",
+            str(run),
+            "--steps",
+            "2",
+            "--lr",
+            "2e-4",
+            "--save-every",
+            "5",
+            "--device",
+            "cpu",
+        ]
+    )
     state = harness.load_trainer_state(harness.find_checkpoint(run))
     assert state["step"] == 2 and state["args"]["save_every"] == 5 and state["args"]["lr"] == 2e-4
 
@@ -52,7 +77,9 @@ def test_changed_flags_compares_given_flags_only():
     # equal to the saved value
     assert harness.changed_flags(grpo.Args(lr=2e-4), saved, grpo.Args()) == []
     assert harness.changed_flags(grpo.Args(kl_coef=0.0, lr=1e-3), saved, grpo.Args()) == [
-        "--lr 0.001 (the run has 0.0002)", "--kl-coef 0.0 (the run has 0.04)"]
+        "--lr 0.001 (the run has 0.0002)",
+        "--kl-coef 0.0 (the run has 0.04)",
+    ]
 
 
 # =====================================================================================
@@ -60,9 +87,23 @@ def test_changed_flags_compares_given_flags_only():
 # =====================================================================================
 def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, one_line_error):
     run = tmp_path / "r"
-    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *FAST, "--steps", "100000",
-                              "--save-every", "1", "--output-dir", str(tmp_path), "--run-name",
-                              "r"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "grpo.py"),
+            *FAST,
+            "--steps",
+            "100000",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "r",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (run / "latest").is_file():
@@ -92,8 +133,11 @@ def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, one_li
 # =====================================================================================
 def _tiny_model_and_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    return (AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR),
-            AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR))
+
+    return (
+        AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR),
+        AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR),
+    )
 
 
 def _assert_previous_checkpoint_intact(run_dir: Path, step: int):
@@ -102,22 +146,27 @@ def _assert_previous_checkpoint_intact(run_dir: Path, step: int):
     assert not list(run_dir.glob(".tmp-checkpoint-*")) and not list(run_dir.glob(".trash-*"))
 
 
-def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path,
-                                                                                  monkeypatch):
+def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
     model, tok = _tiny_model_and_tokenizer()
-    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1},
-                            {"optimizer": {"m": torch.ones(10)}})
+    harness.save_checkpoint(
+        tmp_path, 1, {"": model}, tok, {"step": 1}, {"optimizer": {"m": torch.ones(10)}}
+    )
 
     # what safetensors raises when the disk is full, half-way through
     def full(self, folder, **kwargs):
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / "model.safetensors").write_bytes(b"\0" * 100)
-        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error "
-                           "28)")
+        raise RuntimeError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
     monkeypatch.setattr(type(model), "save_pretrained", full)
     with pytest.raises(UserError) as e:
-        harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2},
-                                {"optimizer": {"m": torch.ones(10)}})
+        harness.save_checkpoint(
+            tmp_path, 2, {"": model}, tok, {"step": 2}, {"optimizer": {"m": torch.ones(10)}}
+        )
     msg = str(e.value)
     assert "\n" not in msg
     assert "cannot write checkpoint-2" in msg
@@ -130,8 +179,9 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
 def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
     log = harness.RunLogger(tmp_path, tensorboard=False)
     monkeypatch.setattr(log, "file", _Full())
-    with pytest.raises(UserError,
-                       match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"):
+    with pytest.raises(
+        UserError, match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"
+    ):
         log.log(3, {"loss": 1.0})
     monkeypatch.setattr(Path, "write_text", _Full().write)
     with pytest.raises(UserError, match=r"cannot write summary.json in .*No space left on device"):
@@ -151,8 +201,12 @@ class _Full:
 
 def _small_disk(path: Path, size: str) -> bool:
     path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_a_really_full_disk_during_a_run(tmp_path, one_line_error):
@@ -163,9 +217,22 @@ def test_a_really_full_disk_during_a_run(tmp_path, one_line_error):
     if shutil.which("mount") is None or not _small_disk(disk, "14m"):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        err = one_line_error(grpo.main,
-                             [*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
-                              "--output-dir", str(disk), "--run-name", "r"])
+        err = one_line_error(
+            grpo.main,
+            [
+                *FAST,
+                "--steps",
+                "2",
+                "--save-every",
+                "1",
+                "--keep-checkpoints",
+                "2",
+                "--output-dir",
+                str(disk),
+                "--run-name",
+                "r",
+            ],
+        )
         assert "cannot write checkpoint-2" in err, err
         assert "not enough disk space (it needs about" in err, err
         assert "the previous checkpoint and 'latest' are kept" in err
@@ -189,24 +256,26 @@ def no_tokenizer(tmp_path):
     return folder
 
 
-def test_a_folder_without_tokenizer_files_is_one_line(no_tokenizer, tmp_path, capsys,
-                                                      one_line_error):
+def test_a_folder_without_tokenizer_files_is_one_line(
+    no_tokenizer, tmp_path, capsys, one_line_error
+):
     err = one_line_error(grpo.main, ["--model", str(no_tokenizer), "--output-dir", str(tmp_path)])
     assert "has no tokenizer files" in err
-    err = one_line_error(ev.main, ["--model", str(no_tokenizer),
-                                   "--output-dir", str(tmp_path / "e")])
+    err = one_line_error(
+        ev.main, ["--model", str(no_tokenizer), "--output-dir", str(tmp_path / "e")]
+    )
     assert "has no tokenizer files" in err
 
 
 # =====================================================================================
 # --resume in the cases a careful user still met: no dead end, no traceback, no silent no-op
 # =====================================================================================
-def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys,
-                                                                  one_line_error):
+def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys, one_line_error):
     argv = [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
 
     def killed(run, step, metrics):  # as a kill -9 after step 1 is logged, before any save
         raise RuntimeError("killed")
+
     harness.STEP_HOOKS.append(killed)
     try:
         with pytest.raises(RuntimeError, match="killed"):
@@ -233,9 +302,23 @@ def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_erro
 
     def write(rs):
         data.write_text("".join(json.dumps(r) + "\n" for r in rs))
+
     write(rows)
-    grpo.main([*FAST, "--dataset", str(data), "--steps", "2", "--prompts-per-step", "4",
-               "--output-dir", str(tmp_path), "--run-name", "d"])
+    grpo.main(
+        [
+            *FAST,
+            "--dataset",
+            str(data),
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "d",
+        ]
+    )
     run = tmp_path / "d"
     write(rows[:3])  # rows removed: the saved position in the data lies past its end
     err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
@@ -251,13 +334,30 @@ def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_erro
 
 
 def test_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
-    grpo.main([*FAST, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
-               "--output-dir", str(tmp_path), "--run-name", "n"])
+    grpo.main(
+        [
+            *FAST,
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+            "--keep-checkpoints",
+            "3",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "n",
+        ]
+    )
     run = tmp_path / "n"
     files = ("metrics.jsonl", "summary.json", "args.json", "latest")
     before = {f: (run / f).read_bytes() for f in files}
-    cases = ((run, [], 2), (run, ["--steps", "2"], 2), (run, ["--steps", "1"], 2),
-             (run / "checkpoint-1", ["--steps", "1"], 1))  # an older checkpoint, at its own step
+    cases = (
+        (run, [], 2),
+        (run, ["--steps", "2"], 2),
+        (run, ["--steps", "1"], 2),
+        (run / "checkpoint-1", ["--steps", "1"], 1),
+    )  # an older checkpoint, at its own step
     for resume, extra, at in cases:
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
@@ -268,11 +368,25 @@ def test_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
     assert {f: (run / f).read_bytes() for f in files} == before  # untouched
 
 
-def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(tmp_path,
-                                                                             one_line_error):
+def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(
+    tmp_path, one_line_error
+):
     pytest.importorskip("peft")
-    grpo.main([*FAST, "--steps", "2", "--save-every", "1", "--lora-rank", "4",
-               "--output-dir", str(tmp_path), "--run-name", "l"])
+    grpo.main(
+        [
+            *FAST,
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+            "--lora-rank",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "l",
+        ]
+    )
     run = tmp_path / "l"
     bad = run / "checkpoint-2" / "adapter_model.safetensors"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # a copy that stopped half-way

@@ -20,6 +20,7 @@ def _mod(name):
 
 def test_the_penalty_by_hand_at_the_ramps_edges():
     import grpo
+
     # L_max = 64, L_cache = 16 (the cpu preset's cap, dapo's cpu cache): the ramp is (48, 64]
     lengths = torch.tensor([1, 47, 48, 49, 56, 63, 64])
     pen = grpo.overlong_penalty(lengths, 64, 16)
@@ -43,8 +44,12 @@ def test_reward_is_the_outcome_plus_half_the_penalty(name):
 def test_off_is_the_outcome_bit_for_bit(name, cache):
     mod = _mod(name)
     texts = ["\\boxed{4}", "\\boxed{5}", "no box", "\\boxed{4}"]
-    r, c, _ = mod.reward_fn(texts, ["4"] * 4, torch.tensor([64, 64, 3, 40]),
-                            mod.Args(max_new_tokens=64, overlong_cache=cache))
+    r, c, _ = mod.reward_fn(
+        texts,
+        ["4"] * 4,
+        torch.tensor([64, 64, 3, 40]),
+        mod.Args(max_new_tokens=64, overlong_cache=cache),
+    )
     assert torch.equal(r, c) and r.data_ptr() != c.data_ptr()  # a copy, as before the flag
 
 
@@ -52,6 +57,7 @@ def test_a_group_all_wrong_learns_from_length_alone():
     """With the length term a group with no right answer still has a signal (shorter is
     better); without it the group is all equal: A = 0, no NaN."""
     import grpo
+
     texts, lengths = ["\\boxed{5}"] * 4, torch.tensor([20, 52, 60, 64])
     for cache, moves in ((16, True), (0, False)):
         args = grpo.Args(max_new_tokens=64, overlong_cache=cache)
@@ -63,6 +69,7 @@ def test_a_group_all_wrong_learns_from_length_alone():
 
 def test_one_text_in_the_four_scripts_and_dapos_helper():
     import dapo
+
     for fn in ("overlong_penalty", "reward_fn"):
         texts = {name: inspect.getsource(getattr(_mod(name), fn)) for name in FOUR}
         assert len(set(texts.values())) == 1, f"{fn} differs between {FOUR}: keep it one text"
@@ -80,14 +87,18 @@ def test_every_preset_leaves_it_off(name):
 
 def test_dapos_presets_keep_their_own():
     import dapo
-    got = {p: dapo.resolve_args(dapo.Args(preset=p, device="cpu", run_name="x")).overlong_cache
-           for p in ("tiny", "cpu", "gpu")}
+
+    got = {
+        p: dapo.resolve_args(dapo.Args(preset=p, device="cpu", run_name="x")).overlong_cache
+        for p in ("tiny", "cpu", "gpu")
+    }
     assert got == {"tiny": 8, "cpu": 16, "gpu": 600}
 
 
 @pytest.mark.parametrize("value", ["40", "-1"])
 def test_a_cache_outside_the_cap_is_one_line(value, one_line_error, tmp_path):
     import tepo
+
     last = one_line_error(tepo.main, ["--overlong-cache", value, "--output-dir", str(tmp_path)])
     assert "--overlong-cache" in last and "--max-new-tokens 40" in last
 
@@ -97,11 +108,35 @@ def test_a_run_with_the_length_term(name, tmp_path):
     """One step of each script on the tiny model with the term on: the logged reward is the
     accuracy plus half the mean penalty, so below it wherever a completion reaches the ramp."""
     mod = _mod(name)
-    small = ["--prompts-per-step", "8" if name == "sapo" else "2", "--group-size",
-             "1" if name == "sapo" else "4", "--micro-batch-size", "8", "--num-mini-batches", "2",
-             "--eval-dataset", "none", "--sample-every", "100", "--tensorboard", "false"]
-    mod.main(["--steps", "1", "--overlong-cache", "30", "--output-dir", str(tmp_path),
-              "--run-name", "len", *small])
+    small = [
+        "--prompts-per-step",
+        "8" if name == "sapo" else "2",
+        "--group-size",
+        "1" if name == "sapo" else "4",
+        "--micro-batch-size",
+        "8",
+        "--num-mini-batches",
+        "2",
+        "--eval-dataset",
+        "none",
+        "--sample-every",
+        "100",
+        "--tensorboard",
+        "false",
+    ]
+    mod.main(
+        [
+            "--steps",
+            "1",
+            "--overlong-cache",
+            "30",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "len",
+            *small,
+        ]
+    )
     row = harness.read_metrics(tmp_path / "len")[-1]
     assert row["reward"] <= row["accuracy"]
     assert (row["reward"] < row["accuracy"]) == (row["completion_len_max"] > 10)

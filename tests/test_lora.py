@@ -21,8 +21,24 @@ from tools import export_merged
 
 pytest.importorskip("peft")
 SCRIPTS = ["grpo", "dapo", "tepo", "erpo", "sapo"]
-FAST = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "32", "--eval-dataset",
-        "none", "--device", "cpu", "--tensorboard", "false", "--lora-rank", "4", "--seed", "3"]
+FAST = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "32",
+    "--eval-dataset",
+    "none",
+    "--device",
+    "cpu",
+    "--tensorboard",
+    "false",
+    "--lora-rank",
+    "4",
+    "--seed",
+    "3",
+]
 
 
 def _args(**kw):
@@ -30,8 +46,9 @@ def _args(**kw):
 
 
 def _batch(policy, tokenizer, args, n=4):
-    prompts = [tasks.build_prompt(tokenizer, p["problem"], "tiny")
-               for p in tasks.tiny_task("train", n)]
+    prompts = [
+        tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in tasks.tiny_task("train", n)
+    ]
     eos = grpo.eos_token_ids(policy, tokenizer)
     return grpo.generate_rollouts(policy, tokenizer, prompts, 2, args, eos, torch.device("cpu"))
 
@@ -69,16 +86,20 @@ def test_kl_is_exactly_zero_at_step_0_and_the_reference_is_the_base(bf16):
     # one update on the adapters
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
     policy.train()
-    lp = grpo.token_logps_and_entropy(policy, batch, torch.arange(len(m)), args,
-                                      with_entropy=False)[0]
+    lp = grpo.token_logps_and_entropy(
+        policy, batch, torch.arange(len(m)), args, with_entropy=False
+    )[0]
     (-torch.where(m, lp, 0.0).sum()).backward()
     opt.step()
     after = grpo.batch_logps(policy, batch, args)[0]
     ref_after = grpo.batch_logps(ref, batch, args)[0]
     assert not torch.equal(after, ref_after)
-    base = grpo.load_model("tiny", torch.device("cpu"),
-                           grpo.resolve_args(grpo.Args(device="cpu", run_name="t", bf16=bf16)),
-                           trainable=False)
+    base = grpo.load_model(
+        "tiny",
+        torch.device("cpu"),
+        grpo.resolve_args(grpo.Args(device="cpu", run_name="t", bf16=bf16)),
+        trainable=False,
+    )
     assert torch.equal(ref_after, grpo.batch_logps(base, batch, args)[0])
 
 
@@ -89,14 +110,17 @@ def test_an_update_changes_only_the_adapters(name, tmp_path):
 
     def grab(run, step, metrics):
         seen["policy"] = run.models[""]
+
     harness.STEP_HOOKS.append(grab)
     try:
         mod.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
     finally:
         harness.STEP_HOOKS.remove(grab)
     base = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    state = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
-             for k, v in seen["policy"].state_dict().items()}
+    state = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        for k, v in seen["policy"].state_dict().items()
+    }
     # the base did not move
     assert all(torch.equal(state[k], v) for k, v in base.items() if k in state)
     assert sum(k in state for k in base) >= len(base) - 1  # (a tied output layer may be absent)
@@ -117,19 +141,23 @@ def test_lora_resume_is_exact(tmp_path):
     grpo.main([*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "a"])
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "b"])
     grpo.main(["--resume", str(tmp_path / "b"), "--steps", "2"])
-    wa, wb = (load_file(str(harness.find_checkpoint(tmp_path / r) / "adapter_model.safetensors"))
-              for r in "ab")
+    wa, wb = (
+        load_file(str(harness.find_checkpoint(tmp_path / r) / "adapter_model.safetensors"))
+        for r in "ab"
+    )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     ra, rb = harness.read_metrics(tmp_path / "a"), harness.read_metrics(tmp_path / "b")
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
 
 
 def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
-    grpo.main([*FAST, "--steps", "2", "--lr", "0.05", "--output-dir", str(tmp_path), "--run-name",
-               "a"])
+    grpo.main(
+        [*FAST, "--steps", "2", "--lr", "0.05", "--output-dir", str(tmp_path), "--run-name", "a"]
+    )
     ckpt = harness.find_checkpoint(tmp_path / "a")
-    assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == \
-        str(common.TINY_MODEL_DIR.resolve())  # a full path: found from any folder
+    assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        common.TINY_MODEL_DIR.resolve()
+    )  # a full path: found from any folder
     merged = export_merged.export_merged(str(ckpt), str(tmp_path / "merged"))
     plain = AutoModelForCausalLM.from_pretrained(merged)  # an ordinary model folder
     assert not any("lora" in n for n, _ in plain.named_parameters())
@@ -147,9 +175,23 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
     # merging reorders sums
     torch.testing.assert_close(plain_logp, adapter_logp, rtol=1e-4, atol=1e-4)
     # eval.py scores the adapter checkpoint directly, as the merged folder (greedy: same answers)
-    scores = [ev.evaluate(ev.parse_args(["--model", str(m), "--limit", "16", "--device", "cpu",
-                                         "--output-dir", str(tmp_path / f"e{i}")]))[0]["metrics"]
-              for i, m in enumerate((ckpt, merged))]
+    scores = [
+        ev.evaluate(
+            ev.parse_args(
+                [
+                    "--model",
+                    str(m),
+                    "--limit",
+                    "16",
+                    "--device",
+                    "cpu",
+                    "--output-dir",
+                    str(tmp_path / f"e{i}"),
+                ]
+            )
+        )[0]["metrics"]
+        for i, m in enumerate((ckpt, merged))
+    ]
     assert scores[0] == scores[1]
     with pytest.raises(UserError, match="no LoRA adapters"):
         export_merged.export_merged(str(merged), str(tmp_path / "again"))
@@ -161,14 +203,17 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
 def test_bad_lora_input_is_one_line(tmp_path, monkeypatch, one_line_error):
     out = ["--output-dir", str(tmp_path)]
     assert "--lora-rank must be >= 0" in one_line_error(grpo.main, ["--lora-rank", "-1", *out])
-    assert "--lora-alpha > 0" in one_line_error(grpo.main,
-                                                ["--lora-rank", "4", "--lora-alpha", "0", *out])
-    err = one_line_error(grpo.main,
-                         [*FAST, "--lora-target-modules", "nope_proj", *out, "--run-name", "a"])
+    assert "--lora-alpha > 0" in one_line_error(
+        grpo.main, ["--lora-rank", "4", "--lora-alpha", "0", *out]
+    )
+    err = one_line_error(
+        grpo.main, [*FAST, "--lora-target-modules", "nope_proj", *out, "--run-name", "a"]
+    )
     assert err.startswith("error: cannot add LoRA adapters") and "nope_proj" in err
     # RMSNorm
-    err = one_line_error(grpo.main,
-                         [*FAST, "--lora-target-modules", "norm", *out, "--run-name", "b"])
+    err = one_line_error(
+        grpo.main, [*FAST, "--lora-target-modules", "norm", *out, "--run-name", "b"]
+    )
     assert err.startswith("error: cannot add LoRA adapters")
     grpo.main([*FAST, "--steps", "1", *out, "--run-name", "c"])
     err = one_line_error(grpo.main, ["--resume", str(tmp_path / "c"), "--lora-rank", "8"])
@@ -190,9 +235,28 @@ def test_short_seeded_lora_run_learns(tmp_path):
     with these flags: sampled 0.195 -> 0.324 (step 40) -> 0.453 (step 80), greedy 0.492 -> 0.609;
     rank 8 learned less in the same steps (sampled 0.270 -> 0.367, greedy -> 0.535), and lr 2e-3
     or 5e-3 degraded (rank 4, 16, 64). The margin is the full fine-tuning test's."""
-    grpo.main(["--steps", "80", "--seed", "1", "--eval-every", "40", "--save-every", "1000",
-               "--sample-every", "1000", "--tensorboard", "false", "--lora-rank", "16",
-               "--output-dir", str(tmp_path), "--run-name", "learn"])
+    grpo.main(
+        [
+            "--steps",
+            "80",
+            "--seed",
+            "1",
+            "--eval-every",
+            "40",
+            "--save-every",
+            "1000",
+            "--sample-every",
+            "1000",
+            "--tensorboard",
+            "false",
+            "--lora-rank",
+            "16",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+        ]
+    )
     evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 80

@@ -41,38 +41,54 @@ def test_word_problem_splits_are_disjoint_deterministic_and_graded():
         for line in lines:
             lhs, rhs = line.split(" = ")
             a, op, b, *rest = lhs.split(" ")
-            value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b),
-                     "/": int(a) // int(b)}[op]
+            value = {
+                "+": int(a) + int(b),
+                "-": int(a) - int(b),
+                "*": int(a) * int(b),
+                "/": int(a) // int(b),
+            }[op]
             if rest:  # n + b * m
                 value = int(a) + int(b) * int(rest[1])
             assert value == int(rhs) >= 0, line
         assert last == f"The answer is {e['answer']}." and int(e["answer"]) >= 0
         assert tasks.grade(e["solution"], e["answer"], extraction="math_verify").correct
-        assert not tasks.grade(e["solution"].replace(f"is {e['answer']}.",
-                                                     f"is {int(e['answer']) + 1}."), e["answer"],
-                               extraction="math_verify").correct
+        assert not tasks.grade(
+            e["solution"].replace(f"is {e['answer']}.", f"is {int(e['answer']) + 1}."),
+            e["answer"],
+            extraction="math_verify",
+        ).correct
     with pytest.raises(UserError, match="splits 'train' and 'test'"):
         tasks.word_problems("validation")
 
 
 def test_the_words_dataset_in_the_scripts_and_eval():
     assert tasks.load_problems("words", "test", limit=3) == [
-        {"problem": e["problem"], "answer": e["answer"]} for e in tasks.word_problems("test", 3)]
+        {"problem": e["problem"], "answer": e["answer"]} for e in tasks.word_problems("test", 3)
+    ]
     import eval as ev
+
     label, source, rows = ev.load_benchmark("words", ev.Args(eval_n=4))
     assert label == "words" and source == "tasks.word_problems('test')" and len(rows) == 4
 
 
 def test_the_chat_template_uses_the_models_own_chat_template():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
     text = tasks.build_prompt(tok, "Tom has 3 apples.", "chat")
-    assert text == tok.apply_chat_template([{"role": "system", "content": tasks.CHAT_INSTRUCTION},
-                                            {"role": "user", "content": "Tom has 3 apples."}],
-                                           tokenize=False, add_generation_prompt=True)
+    assert text == tok.apply_chat_template(
+        [
+            {"role": "system", "content": tasks.CHAT_INSTRUCTION},
+            {"role": "user", "content": "Tom has 3 apples."},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     tok.chat_template = None
-    assert tasks.build_prompt(tok, "Tom has 3 apples.",
-                              "chat") == f"Tom has 3 apples.\n{tasks.CHAT_INSTRUCTION}\n"
+    assert (
+        tasks.build_prompt(tok, "Tom has 3 apples.", "chat")
+        == f"Tom has 3 apples.\n{tasks.CHAT_INSTRUCTION}\n"
+    )
 
 
 # =====================================================================================
@@ -83,12 +99,21 @@ def real_llama(tmp_path_factory):
     """A random Llama (SmolLM2's architecture, tiny widths) with the bundled tokenizer and its
     chat template, in a local folder: a real model that is not the tiny one, offline."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     path = tmp_path_factory.mktemp("llama")
     tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=2048, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -99,10 +124,15 @@ def real_llama(tmp_path_factory):
 def test_the_preset_is_picked_by_model_and_device(mod, real_llama, monkeypatch):
     def resolved(**kw):
         return mod.resolve_args(mod.Args(run_name="x", **kw))
+
     tiny, cpu = resolved(device="cpu"), resolved(model=str(real_llama), device="cpu")
     assert (tiny.preset, tiny.dataset, tiny.lora_rank) == ("tiny", "tiny", 0)
-    assert (cpu.preset, cpu.dataset, cpu.template, cpu.answer_extraction) == \
-        ("cpu", "words", "chat", "math_verify")
+    assert (cpu.preset, cpu.dataset, cpu.template, cpu.answer_extraction) == (
+        "cpu",
+        "words",
+        "chat",
+        "math_verify",
+    )
     assert cpu.lora_rank == 16 and cpu.lr == mod.PRESETS["cpu"]["lora_lr"]
     assert resolved(model=str(real_llama), device="cpu", lora_rank=0).lr == mod.PRESETS["cpu"]["lr"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: the real run's preset
@@ -111,8 +141,11 @@ def test_the_preset_is_picked_by_model_and_device(mod, real_llama, monkeypatch):
     assert resolved(device="auto").preset == "tiny"  # the tiny model keeps its preset on a GPU
     # --preset overrides the choice; flags given override the preset
     forced = resolved(model=str(real_llama), device="cpu", preset="gpu", max_new_tokens=7)
-    assert (forced.preset, forced.dataset, forced.max_new_tokens) == \
-        ("gpu", mod.PRESETS["gpu"]["dataset"], 7)
+    assert (forced.preset, forced.dataset, forced.max_new_tokens) == (
+        "gpu",
+        mod.PRESETS["gpu"]["dataset"],
+        7,
+    )
     # the tiny model on the cpu preset
     assert resolved(preset="cpu", device="cpu").dataset == "words"
 
@@ -121,17 +154,37 @@ def test_a_bad_preset_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         grpo.main(["--preset", "huge", "--output-dir", str(tmp_path)])
     assert e.value.code == 2 and "--preset: invalid choice: 'huge'" in capsys.readouterr().err
-    with pytest.raises(UserError,
-                       match="unknown --preset 'huge'; choose from auto, tiny, cpu, gpu"):
+    with pytest.raises(
+        UserError, match="unknown --preset 'huge'; choose from auto, tiny, cpu, gpu"
+    ):
         grpo.resolve_args(grpo.Args(preset="huge", run_name="x", device="cpu"))
 
 
 def test_a_real_architecture_trains_on_the_cpu_preset(real_llama, tmp_path):
     """Two steps of the cpu preset (word problems, the chat template, math_verify grading, LoRA
     rank 16) on a Llama, sized down; then a resume: the path a real chat model takes on a CPU."""
-    small = ["--model", str(real_llama), "--device", "cpu", "--prompts-per-step", "2",
-             "--group-size", "2", "--max-new-tokens", "8", "--eval-n", "4", "--eval-every", "2",
-             "--tensorboard", "false", "--output-dir", str(tmp_path), "--run-name", "r"]
+    small = [
+        "--model",
+        str(real_llama),
+        "--device",
+        "cpu",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--eval-n",
+        "4",
+        "--eval-every",
+        "2",
+        "--tensorboard",
+        "false",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "r",
+    ]
     tepo.main([*small, "--steps", "1"])
     tepo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])
     args = json.loads((tmp_path / "r" / "args.json").read_text())
@@ -144,12 +197,23 @@ def test_a_real_architecture_trains_on_the_cpu_preset(real_llama, tmp_path):
 # =====================================================================================
 # The learning check on SmolLM2-135M-Instruct (opt-in: RUN_SLOW=1, about an hour)
 # =====================================================================================
-@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1" or not (SMOLLM / "config.json").is_file(),
-                    reason="opt-in: RUN_SLOW=1 and models/SmolLM2-135M-Instruct (python "
-                    "tools/build_smollm2.py)")
+@pytest.mark.skipif(
+    os.environ.get("RUN_SLOW") != "1" or not (SMOLLM / "config.json").is_file(),
+    reason="opt-in: RUN_SLOW=1 and models/SmolLM2-135M-Instruct (python tools/build_smollm2.py)",
+)
 @pytest.mark.parametrize("mod", [grpo, tepo])
 def test_smollm2_learns_on_the_cpu_preset(mod, tmp_path):
-    mod.main(["--model", str(SMOLLM), "--device", "cpu", "--output-dir", str(tmp_path),
-              "--run-name", "learn"])
+    mod.main(
+        [
+            "--model",
+            str(SMOLLM),
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+        ]
+    )
     evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/greedy_acc" in r]
     assert evals[-1]["eval/greedy_acc"] >= evals[0]["eval/greedy_acc"] + 0.10, evals

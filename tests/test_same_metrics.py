@@ -21,8 +21,16 @@ def test_compare_reports_changed_added_and_removed_figures():
 
 
 def test_the_tool_finds_no_change_against_head():
-    cmd = [sys.executable, str(ROOT / "tools" / "same_metrics.py"), "--base", "HEAD",
-           "--scripts", "grpo", "--steps", "1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "same_metrics.py"),
+        "--base",
+        "HEAD",
+        "--scripts",
+        "grpo",
+        "--steps",
+        "1",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "grpo: 2 rows, same" in done.stdout and "every shared figure is the same" in done.stdout

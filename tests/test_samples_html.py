@@ -39,9 +39,18 @@ def _parse(path):
 
 
 def test_renderer_colours_each_quantity_and_escapes_text(tmp_path):
-    rows = [{"header": "reward +1.000", "prompt": "7+5-8 <b>", "tokens": ["a", "<", "&"],
-             "values": {"entropy": [0.0, 1.0, 2.0], "kl_mask": [0.0, 1.0, 0.0],
-                        "adv": [-1.0, 0.0, 1.0]}}]
+    rows = [
+        {
+            "header": "reward +1.000",
+            "prompt": "7+5-8 <b>",
+            "tokens": ["a", "<", "&"],
+            "values": {
+                "entropy": [0.0, 1.0, 2.0],
+                "kl_mask": [0.0, 1.0, 0.0],
+                "adv": [-1.0, 0.0, 1.0],
+            },
+        }
+    ]
     path = tmp_path / "s.html"
     path.write_text(common.token_html("t", rows))
     p = _parse(path)
@@ -63,9 +72,29 @@ def test_tepo_run_marks_exactly_the_tokens_of_its_kl_mask(tmp_path):
     """TEPO's page shows the predicted mask: marked iff the completion's advantage is positive
     and c > 0 at that token."""
     import tepo
-    tepo.main(["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size",
-               "8", "--num-mini-batches", "1", "--eval-dataset", "none", "--tensorboard", "false",
-               "--output-dir", str(tmp_path), "--run-name", "h"])
+
+    tepo.main(
+        [
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--micro-batch-size",
+            "8",
+            "--num-mini-batches",
+            "1",
+            "--eval-dataset",
+            "none",
+            "--tensorboard",
+            "false",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "h",
+        ]
+    )
     page = tmp_path / "h" / "samples" / "step-1.html"
     text = page.read_text()
     advantages = [float(a) for a in re.findall(r"advantage ([+-][0-9.]+)", text)]

@@ -31,8 +31,10 @@ def _positions(ends_row):
 def test_segment_ends_known_entropies():
     # row 0: n = 10, k = ceil(0.3 * 10) = 3 -> 4.0 @6, 3.0 @1, 2.0 @3; last @9 (lowest entropy)
     # row 1: n = 7,  k = ceil(2.1) = 3     -> 5 @2, 2 @4, 1 @0; last @6; padding holds 99
-    entropy = [[0.5, 3.0, 0.1, 2.0, 0.2, 0.0, 4.0, 0.3, 0.4, 0.05],
-               [1.0, 0.0, 5.0, 0.0, 2.0, 0.0, 0.5, 99.0, 99.0, 99.0]]
+    entropy = [
+        [0.5, 3.0, 0.1, 2.0, 0.2, 0.0, 4.0, 0.3, 0.4, 0.05],
+        [1.0, 0.0, 5.0, 0.0, 2.0, 0.0, 0.5, 99.0, 99.0, 99.0],
+    ]
     mask = [[1] * 10, [1] * 7 + [0] * 3]
     ends = _ends(entropy, mask)
     assert ends.dtype == torch.bool and ends.shape == (2, 10)
@@ -157,8 +159,10 @@ def _three_segments():
 
 def test_segment_state_values_start_and_end_hand_values_and_gradient_positions():
     seg_id, seg_mask, mask = _three_segments()
-    v = torch.tensor([[10.0, 11.0, 12.0, 13.0, 14.0, INF], [20.0, 21.0, 22.0, 23.0, NAN, INF]],
-                     requires_grad=True)
+    v = torch.tensor(
+        [[10.0, 11.0, 12.0, 13.0, 14.0, INF], [20.0, 21.0, 22.0, 23.0, NAN, INF]],
+        requires_grad=True,
+    )
     start = sapo.segment_state_values(v, seg_id, seg_mask, mask, "start")
     assert start.tolist() == [[10.0, 12.0, 14.0], [20.0, 21.0, 0.0]]  # V at b_m
     start.sum().backward()
@@ -196,8 +200,9 @@ def test_segment_rewards_empty_completion_gets_nothing():
     seg_id = torch.tensor([[0, 0], [-1, -1]])
     seg_mask = torch.tensor([[True], [False]])
     mask = torch.tensor([[1, 1], [0, 0]])
-    r = sapo.segment_rewards(torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([1.0, 1.0]),
-                             seg_id, seg_mask, mask)
+    r = sapo.segment_rewards(
+        torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([1.0, 1.0]), seg_id, seg_mask, mask
+    )
     assert r.tolist() == [[1.0], [0.0]]
 
 
@@ -207,11 +212,11 @@ def test_segment_gae_three_segments_against_hand_recursion():
     r = torch.tensor([[0.1, -0.2, 1.0]])
     V = torch.tensor([[0.5, 0.3, 0.7]])
     A, R = sapo.segment_gae(r, V, torch.ones(1, 3, dtype=torch.bool), gamma, lam)
-    d3 = 1.0 + gamma * 0.0 - 0.7   # 0.3   (V(s_4) = 0)
+    d3 = 1.0 + gamma * 0.0 - 0.7  # 0.3   (V(s_4) = 0)
     d2 = -0.2 + gamma * 0.7 - 0.3  # 0.13
-    d1 = 0.1 + gamma * 0.3 - 0.5   # -0.13
-    gl = gamma * lam               # 0.72
-    A_hand = [d1 + gl * d2 + gl ** 2 * d3, d2 + gl * d3, d3]  # 0.11912, 0.346, 0.3
+    d1 = 0.1 + gamma * 0.3 - 0.5  # -0.13
+    gl = gamma * lam  # 0.72
+    A_hand = [d1 + gl * d2 + gl**2 * d3, d2 + gl * d3, d3]  # 0.11912, 0.346, 0.3
     assert A[0].tolist() == pytest.approx(A_hand, abs=1e-6)
     assert A[0].tolist() == pytest.approx([0.11912, 0.346, 0.3], abs=1e-6)
     assert R[0].tolist() == pytest.approx([0.11912 + 0.5, 0.346 + 0.3, 0.3 + 0.7], abs=1e-6)
@@ -247,8 +252,12 @@ def test_advantage_broadcast_reaches_exactly_the_tokens_of_each_segment():
     seg_id, _, mask = _three_segments()
     A_seg = torch.tensor([[0.11912, 0.346, 0.3], [0.428, 0.4, 0.0]])
     A_tok = sapo.to_tokens(A_seg, seg_id, mask)
-    assert torch.allclose(A_tok, torch.tensor([[0.11912, 0.11912, 0.346, 0.346, 0.3, 0.0],
-                                                [0.428, 0.4, 0.4, 0.4, 0.0, 0.0]]))
+    assert torch.allclose(
+        A_tok,
+        torch.tensor(
+            [[0.11912, 0.11912, 0.346, 0.346, 0.3, 0.0], [0.428, 0.4, 0.4, 0.4, 0.0, 0.0]]
+        ),
+    )
 
 
 # ------------------------------------------------------------------ whiten and clamp
@@ -266,11 +275,12 @@ def test_whiten_clamps_to_five():
     a[0, 30] = 100.0
     out = sapo.whiten_and_clamp(a, torch.ones(1, 31))
     mean = 100 / 31
-    std = math.sqrt((30 * mean ** 2 + (100 - mean) ** 2) / 30)  # ~17.96: outlier ~5.39 std out
+    std = math.sqrt((30 * mean**2 + (100 - mean) ** 2) / 30)  # ~17.96: outlier ~5.39 std out
     assert out[0, 30].item() == 5.0
     assert out[0, 0].item() == pytest.approx(-mean / std, abs=1e-6)  # ~ -0.18, unclamped
     assert sapo.whiten_and_clamp(a, torch.ones(1, 31), clip=10.0)[0, 30].item() == pytest.approx(
-        (100 - mean) / std, abs=1e-5)
+        (100 - mean) / std, abs=1e-5
+    )
 
 
 def test_whiten_single_token_and_constant_batches_give_zero():
@@ -298,7 +308,7 @@ def test_segment_ratio_value_is_the_geometric_mean_on_every_token():
     x = sapo.segment_log_ratio(logp, old, seg_id, seg_mask, mask)
     s = torch.exp(x)
     g0 = (math.exp(0.2) * math.exp(0.0) * math.exp(-0.5)) ** (1 / 3)  # e^-0.1
-    g1 = (math.exp(-0.2) * math.exp(0.4)) ** (1 / 2)                  # e^0.1
+    g1 = (math.exp(-0.2) * math.exp(0.4)) ** (1 / 2)  # e^0.1
     expected = [[g0, g0, g0, math.exp(0.3), 1.0], [g1, g1, math.exp(0.05), math.exp(-0.3), 1.0]]
     assert _close(s, expected, 1e-6)
     assert x[0, 4].item() == 0.0 and x[1, 4].item() == 0.0
@@ -361,8 +371,9 @@ def test_clipping_is_per_segment_not_per_token():
     assert _close(logp.grad, [[-math.exp(0.1) / 2] * 2])
     # shift the segment to e^0.3 = 1.35 > 1.28: the whole segment is clipped at 1.28, zero grad
     logp2 = torch.tensor([[0.8, -0.2]], requires_grad=True)
-    loss2 = sapo.sapo_policy_loss(logp2, old, torch.ones(1, 2), seg_id, seg_mask, mask,
-                                  num_tokens=2)
+    loss2 = sapo.sapo_policy_loss(
+        logp2, old, torch.ones(1, 2), seg_id, seg_mask, mask, num_tokens=2
+    )
     loss2.backward()
     assert loss2.item() == pytest.approx(-1.28, abs=1e-6)
     assert logp2.grad.tolist() == [[0.0, 0.0]]
@@ -430,8 +441,9 @@ def test_policy_loss_micro_batch_invariance_of_value_and_gradient():
     split = base.clone().requires_grad_()
     total = 0.0
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
-        part = sapo.sapo_policy_loss(split[rows], old[rows], A[rows], seg_id[rows], seg_mask[rows],
-                                     mask[rows], num_tokens=N)
+        part = sapo.sapo_policy_loss(
+            split[rows], old[rows], A[rows], seg_id[rows], seg_mask[rows], mask[rows], num_tokens=N
+        )
         part.backward()
         total += part.item()
     assert total == pytest.approx(loss.item(), abs=1e-6)
@@ -459,8 +471,9 @@ def test_value_loss_clipped_form_hand_values_and_gradient():
 
 def test_value_loss_only_at_segment_states():
     seg_id, seg_mask, mask = _three_segments()
-    tok_v = torch.tensor([[0.1, 0.9, 0.2, 0.8, 0.3, 0.0], [0.4, 0.5, 0.7, 0.6, 0.0, 0.0]],
-                         requires_grad=True)
+    tok_v = torch.tensor(
+        [[0.1, 0.9, 0.2, 0.8, 0.3, 0.0], [0.4, 0.5, 0.7, 0.6, 0.0, 0.0]], requires_grad=True
+    )
     R = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     for value_at, picked in (("start", [[0, 2, 4], [0, 1]]), ("end", [[1, 3, 4], [0, 3]])):
         tok_v.grad = None
@@ -480,8 +493,10 @@ def test_value_loss_micro_batch_invariance():
     R = torch.tensor([[2.0, 1.0, 0.0], [0.5, 0.5, 1.0]])
     seg_mask = torch.tensor([[True, True, False], [True, True, True]])
     whole = sapo.sapo_value_loss(v, v_old, R, seg_mask, 5)
-    parts = sum(sapo.sapo_value_loss(v[i:i + 1], v_old[i:i + 1], R[i:i + 1], seg_mask[i:i + 1], 5)
-                for i in range(2))
+    parts = sum(
+        sapo.sapo_value_loss(v[i : i + 1], v_old[i : i + 1], R[i : i + 1], seg_mask[i : i + 1], 5)
+        for i in range(2)
+    )
     assert parts.item() == pytest.approx(whole.item(), abs=1e-7)
 
 
@@ -532,7 +547,7 @@ def test_non_finite_values_on_padding_do_not_leak_into_losses_or_gradients():
 
     dirty_old, dirty_A = old.clone(), A.clone()
     dirty_old[:, 4], dirty_A[:, 4] = -INF, NAN
-    base = (old + diff)
+    base = old + diff
     base[:, 4] = INF
     dirty = base.requires_grad_()
     loss = sapo.sapo_policy_loss(dirty, dirty_old, dirty_A, seg_id, seg_mask, mask, num_tokens=8)

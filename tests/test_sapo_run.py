@@ -15,16 +15,62 @@ import tasks
 import harness
 import sapo
 
-SMALL = ["--prompts-per-step", "16", "--group-size", "1", "--eval-n", "16", "--eval-every", "2",
-         "--micro-batch-size", "8", "--num-mini-batches", "2", "--sample-every", "100",
-         "--tensorboard", "false"]
-METRICS = ("reward", "accuracy", "zero_std_frac", "loss", "entropy", "clip_frac", "completion_len",
-           "truncated_frac", "time/generate", "time/reward", "time/old_logp", "time/ref_logp",
-           "time/advantage", "time/update", "time/step", "tokens_per_s", "unparsable_frac",
-           "grad_norm", "segments_per_completion", "segment_len", "adv_mean", "adv_std",
-           "explained_var", "value_mean", "return_mean", "value_loss", "value_grad_norm",
-           "value_clip_frac", "dual_clip_frac", "approx_kl", "seg_ratio_min", "seg_ratio_max",
-           "skipped_updates", "lr", "critic_lr", "kl")
+SMALL = [
+    "--prompts-per-step",
+    "16",
+    "--group-size",
+    "1",
+    "--eval-n",
+    "16",
+    "--eval-every",
+    "2",
+    "--micro-batch-size",
+    "8",
+    "--num-mini-batches",
+    "2",
+    "--sample-every",
+    "100",
+    "--tensorboard",
+    "false",
+]
+METRICS = (
+    "reward",
+    "accuracy",
+    "zero_std_frac",
+    "loss",
+    "entropy",
+    "clip_frac",
+    "completion_len",
+    "truncated_frac",
+    "time/generate",
+    "time/reward",
+    "time/old_logp",
+    "time/ref_logp",
+    "time/advantage",
+    "time/update",
+    "time/step",
+    "tokens_per_s",
+    "unparsable_frac",
+    "grad_norm",
+    "segments_per_completion",
+    "segment_len",
+    "adv_mean",
+    "adv_std",
+    "explained_var",
+    "value_mean",
+    "return_mean",
+    "value_loss",
+    "value_grad_norm",
+    "value_clip_frac",
+    "dual_clip_frac",
+    "approx_kl",
+    "seg_ratio_min",
+    "seg_ratio_max",
+    "skipped_updates",
+    "lr",
+    "critic_lr",
+    "kl",
+)
 
 
 def _args(**kw):
@@ -49,14 +95,16 @@ def test_critic_head_starts_at_zero_has_no_dropout_and_round_trips(tiny, tmp_pat
     args, tokenizer, _ = tiny
     critic = sapo.load_critic("tiny", torch.device("cpu"), args, tokenizer)
     assert critic.config.num_labels == 1
-    head = [p for n, p in critic.named_parameters()
-            if not n.startswith(critic.base_model_prefix + ".")]
+    head = [
+        p for n, p in critic.named_parameters() if not n.startswith(critic.base_model_prefix + ".")
+    ]
     assert head and all(torch.equal(p, torch.zeros_like(p)) for p in head)
     assert all(m.p == 0.0 for m in critic.modules() if isinstance(m, torch.nn.Dropout))
     # the base model is the policy's starting model, untouched
     policy_w = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    base = {n: p for n, p in critic.named_parameters()
-            if n.startswith(critic.base_model_prefix + ".")}
+    base = {
+        n: p for n, p in critic.named_parameters() if n.startswith(critic.base_model_prefix + ".")
+    }
     assert base and all(torch.equal(p, policy_w[n]) for n, p in base.items())
     # a trained head is saved and loaded back as it is (zero only on the first load)
     with torch.no_grad():
@@ -103,16 +151,27 @@ def test_value_loss_gradient_reaches_the_critic(tiny):
     args, tokenizer, policy = tiny
     critic = sapo.load_critic("tiny", torch.device("cpu"), args, tokenizer)
     critic.train()
-    prompts = [tasks.build_prompt(tokenizer, r["problem"], "tiny")
-               for r in tasks.tiny_task("train", 2)]
-    batch = sapo.generate_rollouts(policy, tokenizer, prompts, 1, args,
-                                   sapo.eos_token_ids(policy, tokenizer), torch.device("cpu"))
-    seg_id, seg_mask = sapo.segment_index(sapo.segment_ends(torch.rand(batch["mask"].shape),
-                                                            batch["mask"]), batch["mask"])
-    V = sapo.segment_state_values(sapo.token_values(critic, batch, torch.arange(2), args), seg_id,
-                                  seg_mask, batch["mask"])
-    sapo.sapo_value_loss(V, V.detach(), torch.ones_like(V), seg_mask,
-                         int(seg_mask.sum())).backward()
+    prompts = [
+        tasks.build_prompt(tokenizer, r["problem"], "tiny") for r in tasks.tiny_task("train", 2)
+    ]
+    batch = sapo.generate_rollouts(
+        policy,
+        tokenizer,
+        prompts,
+        1,
+        args,
+        sapo.eos_token_ids(policy, tokenizer),
+        torch.device("cpu"),
+    )
+    seg_id, seg_mask = sapo.segment_index(
+        sapo.segment_ends(torch.rand(batch["mask"].shape), batch["mask"]), batch["mask"]
+    )
+    V = sapo.segment_state_values(
+        sapo.token_values(critic, batch, torch.arange(2), args), seg_id, seg_mask, batch["mask"]
+    )
+    sapo.sapo_value_loss(
+        V, V.detach(), torch.ones_like(V), seg_mask, int(seg_mask.sum())
+    ).backward()
     assert critic.score.bias.grad.item() < 0  # V = 0 < R = 1: the bias is pushed up
     assert critic.score.weight.grad.abs().sum() > 0
 
@@ -120,10 +179,32 @@ def test_value_loss_gradient_reaches_the_critic(tiny):
 # ------------------------------------------------------------------ whole runs
 def test_smoke_two_steps_then_resume_exactly(tmp_path):
     """A: 3 steps straight. B: 2 steps, then resumed for a third. Same policy AND critic."""
-    sapo.main(["--steps", "3", "--save-every", "1", "--output-dir", str(tmp_path), "--run-name",
-               "a", *SMALL])
-    sapo.main(["--steps", "2", "--save-every", "1", "--output-dir", str(tmp_path), "--run-name",
-               "b", *SMALL])
+    sapo.main(
+        [
+            "--steps",
+            "3",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "a",
+            *SMALL,
+        ]
+    )
+    sapo.main(
+        [
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "b",
+            *SMALL,
+        ]
+    )
     ckpt_b2, _ = _weights(tmp_path / "b")
     assert ckpt_b2.name == "checkpoint-2" and (ckpt_b2 / "critic" / "model.safetensors").is_file()
     assert "critic_optimizer" in harness.load_trainer_state(ckpt_b2, "optimizer.pt")
@@ -132,8 +213,9 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
         ckpt_a, wa = _weights(tmp_path / "a", sub)
         ckpt_b, wb = _weights(tmp_path / "b", sub)
         assert ckpt_a.name == ckpt_b.name == "checkpoint-3"
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k])
-                                              for k in wa), f"{sub or 'policy'} differs"
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), (
+            f"{sub or 'policy'} differs"
+        )
     _, w_critic = _weights(tmp_path / "a", "critic")
     # the head learned
     assert any(w.abs().sum() > 0 for k, w in w_critic.items() if k.startswith("score."))
@@ -151,6 +233,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     assert all(name in html for name in ("entropy", "segment_end", "advantage", "value"))
     # the checkpoint is an ordinary Hugging Face folder, its critic one too
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
     ckpt = harness.find_checkpoint(tmp_path / "a")
     AutoModelForCausalLM.from_pretrained(ckpt)
     assert AutoModelForTokenClassification.from_pretrained(ckpt / "critic").config.num_labels == 1
@@ -158,8 +241,20 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--value-at", "end"], ["--kl-coef", "0"]])
 def test_flag_variants_run(flags, tmp_path):
-    sapo.main(["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path),
-               "--run-name", "v", *SMALL, *flags])
+    sapo.main(
+        [
+            "--steps",
+            "1",
+            "--eval-dataset",
+            "none",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "v",
+            *SMALL,
+            *flags,
+        ]
+    )
     row = harness.read_metrics(tmp_path / "v")[-1]
     assert row["value_loss"] > 0 and row["segments_per_completion"] >= 1
     assert ("kl" in row) == ("--kl-coef" not in flags)  # no reference model, no KL in the reward
@@ -170,11 +265,19 @@ def test_flag_variants_run(flags, tmp_path):
 def _local_model(path, vocab, hidden):
     """A random one-layer Qwen2 with the tiny tokenizer (vocab None: the tokenizer's size)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
     tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
-    cfg = Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden,
-                      intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        vocab_size=vocab or len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -185,8 +288,21 @@ def test_critic_from_another_local_model(tmp_path):
     """--critic-model names a different (here smaller, random) model with the same tokenizer: the
     critic is built from it, trained, saved in critic/, and the policy is still the tiny model."""
     other = _local_model(tmp_path / "small", None, 32)
-    sapo.main(["--steps", "2", "--eval-dataset", "none", "--output-dir", str(tmp_path),
-               "--run-name", "c", "--critic-model", str(other), *SMALL])
+    sapo.main(
+        [
+            "--steps",
+            "2",
+            "--eval-dataset",
+            "none",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "c",
+            "--critic-model",
+            str(other),
+            *SMALL,
+        ]
+    )
     ckpt = harness.find_checkpoint(tmp_path / "c")
     assert json.loads((ckpt / "critic" / "config.json").read_text())["hidden_size"] == 32
     assert json.loads((ckpt / "config.json").read_text())["hidden_size"] == 128
@@ -209,21 +325,25 @@ def _error_of(capsys, argv):
     return last
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--group-size", "0"], "--group-size must be at least 1"),
-    (["--segment-frac", "0"], "--segment-frac must be in (0, 1]"),
-    (["--segment-frac", "1.5"], "--segment-frac must be in (0, 1]"),
-    (["--critic-lr", "0"], "--critic-lr must be > 0"),
-    (["--lam", "1.5"], "--lam must be in [0, 1]"),
-    (["--value-clip", "0"], "--value-clip must be > 0"),
-    (["--adv-clip", "-1"], "--adv-clip must be > 0"),
-    (["--kl-coef", "-0.1"], "--kl-coef must be >= 0"),
-    (["--clip-low", "1"], "--clip-low must be in [0, 1)"),
-    (["--critic-model", "/no/such/folder"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--group-size", "0"], "--group-size must be at least 1"),
+        (["--segment-frac", "0"], "--segment-frac must be in (0, 1]"),
+        (["--segment-frac", "1.5"], "--segment-frac must be in (0, 1]"),
+        (["--critic-lr", "0"], "--critic-lr must be > 0"),
+        (["--lam", "1.5"], "--lam must be in [0, 1]"),
+        (["--value-clip", "0"], "--value-clip must be > 0"),
+        (["--adv-clip", "-1"], "--adv-clip must be > 0"),
+        (["--kl-coef", "-0.1"], "--kl-coef must be >= 0"),
+        (["--clip-low", "1"], "--clip-low must be in [0, 1)"),
+        (["--critic-model", "/no/such/folder"], "does not exist"),
+    ],
+)
 def test_bad_flags_are_one_line_errors(flags, message, tmp_path, capsys):
-    assert message in _error_of(capsys,
-                                ["--steps", "1", "--output-dir", str(tmp_path), *SMALL, *flags])
+    assert message in _error_of(
+        capsys, ["--steps", "1", "--output-dir", str(tmp_path), *SMALL, *flags]
+    )
 
 
 def test_group_size_one_is_allowed_and_is_the_default():
@@ -235,9 +355,20 @@ def test_group_size_one_is_allowed_and_is_the_default():
 
 def test_critic_with_another_vocabulary_is_refused(tmp_path, capsys):
     other = _local_model(tmp_path / "v", 100, 16)
-    err = _error_of(capsys,
-                    ["--steps", "1", "--eval-dataset", "none", "--output-dir", str(tmp_path),
-                     "--critic-model", str(other), *SMALL])
+    err = _error_of(
+        capsys,
+        [
+            "--steps",
+            "1",
+            "--eval-dataset",
+            "none",
+            "--output-dir",
+            str(tmp_path),
+            "--critic-model",
+            str(other),
+            *SMALL,
+        ],
+    )
     assert "policy's tokenizer" in err and "100 token embeddings" in err
 
 
@@ -249,9 +380,26 @@ def test_short_seeded_run_learns(tmp_path):
     +0.028 over steps 31-40 (each of those 10 between +0.014 and +0.043); a critic that
     predicts any constant scores exactly 0. The margins leave room for other platforms: 0.08
     is about twice the sampling noise of a difference of two 256-problem accuracies."""
-    sapo.main(["--steps", "40", "--seed", "1", "--eval-every", "40", "--save-every", "1000",
-               "--sample-every", "1000", "--tensorboard", "false", "--output-dir", str(tmp_path),
-               "--run-name", "learn"])
+    sapo.main(
+        [
+            "--steps",
+            "40",
+            "--seed",
+            "1",
+            "--eval-every",
+            "40",
+            "--save-every",
+            "1000",
+            "--sample-every",
+            "1000",
+            "--tensorboard",
+            "false",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+        ]
+    )
     rows = harness.read_metrics(tmp_path / "learn")
     evals = [r for r in rows if "eval/sampled_acc" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
@@ -260,5 +408,9 @@ def test_short_seeded_run_learns(tmp_path):
     assert len(ev) == 40 and None not in ev
     early, late = sum(ev[:10]) / 10, sum(ev[-10:]) / 10
     # both checks reported together, so a run that breaks one shows the other too
-    assert (last >= first + 0.08, late > 0.01 and late > early) == (True, True), \
-        (first, last, early, late)
+    assert (last >= first + 0.08, late > 0.01 and late > early) == (True, True), (
+        first,
+        last,
+        early,
+        late,
+    )

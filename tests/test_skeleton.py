@@ -12,13 +12,36 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("grpo.py", "dapo.py", "tepo.py", "erpo.py", "sapo.py")
 BANNER = "# The skeleton: below this line, every script is the same, line for line\n"
-LOSS = {"grpo.py": "grpo_loss", "dapo.py": "dapo_loss", "tepo.py": "tepo_loss",
-        "erpo.py": "erpo_loss", "sapo.py": "sapo_policy_loss"}
-SKELETON = ("load_tokenizer", "load_model", "add_lora", "AdapterOff", "load_reference",
-            "eos_token_ids", "autocast", "load_prompts", "load_data", "completion_mask",
-            "decode_completions", "generate_rollouts", "model_inputs", "micro_batches",
-            "_logp_entropy_chunk", "token_logps_and_entropy", "batch_logps", "evaluate",
-            "show_samples", "rollout_metrics", "main")
+LOSS = {
+    "grpo.py": "grpo_loss",
+    "dapo.py": "dapo_loss",
+    "tepo.py": "tepo_loss",
+    "erpo.py": "erpo_loss",
+    "sapo.py": "sapo_policy_loss",
+}
+SKELETON = (
+    "load_tokenizer",
+    "load_model",
+    "add_lora",
+    "AdapterOff",
+    "load_reference",
+    "eos_token_ids",
+    "autocast",
+    "load_prompts",
+    "load_data",
+    "completion_mask",
+    "decode_completions",
+    "generate_rollouts",
+    "model_inputs",
+    "micro_batches",
+    "_logp_entropy_chunk",
+    "token_logps_and_entropy",
+    "batch_logps",
+    "evaluate",
+    "show_samples",
+    "rollout_metrics",
+    "main",
+)
 
 
 def split(script: str) -> tuple[str, str]:
@@ -30,15 +53,19 @@ def split(script: str) -> tuple[str, str]:
 
 def defs(source: str) -> dict[str, int]:
     """Top-level functions and classes -> line number."""
-    return {n.name: n.lineno for n in ast.parse(source).body
-            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return {
+        n.name: n.lineno
+        for n in ast.parse(source).body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+    }
 
 
 @pytest.mark.parametrize("script", SCRIPTS[1:])
 def test_the_skeleton_is_one_block_the_same_in_every_script(script):
     assert split(script)[1] == split("grpo.py")[1], (
         f"{script}'s skeleton (below the banner) differs from grpo.py's: the skeleton is shared "
-        f"verbatim; a difference belongs to the algorithm, above the banner")
+        f"verbatim; a difference belongs to the algorithm, above the banner"
+    )
 
 
 def test_the_skeleton_holds_the_plumbing():
@@ -65,14 +92,20 @@ def test_one_name_per_idea_in_the_losses():
     import grpo
     import sapo
     import tepo
-    for fn in (grpo.grpo_loss, dapo.dapo_loss, tepo.tepo_loss, erpo.erpo_loss,
-               sapo.sapo_policy_loss):
+
+    for fn in (
+        grpo.grpo_loss,
+        dapo.dapo_loss,
+        tepo.tepo_loss,
+        erpo.erpo_loss,
+        sapo.sapo_policy_loss,
+    ):
         params = list(inspect.signature(fn).parameters.values())
         names = [p.name for p in params]
         assert "clip_low" in names and "clip_high" in names, fn.__name__
         assert names.index("clip_high") == names.index("clip_low") + 1
         counts = [n for n in names if n in ("num_tokens", "num_seqs")]
-        assert counts and names[-len(counts):] == counts, fn.__name__
+        assert counts and names[-len(counts) :] == counts, fn.__name__
         assert all(params[names.index(n)].default is None for n in counts)
     for mod in (grpo, tepo, erpo, sapo):  # every KL coefficient is --kl-coef
         assert "kl_coef" in mod.Args.__dataclass_fields__

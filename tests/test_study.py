@@ -23,8 +23,23 @@ SMALL = "--prompts-per-step 2 --group-size 4 --micro-batch-size 8 --num-mini-bat
 
 
 def _study(out, *flags, configs="grpo,tepo"):
-    cmd = [sys.executable, str(ROOT / "tools" / "study.py"), "--configs", configs, "--seeds", "1",
-           "--eval-every", "1", "--eval-n", "16", "--out", str(out), "--extra", SMALL, *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "study.py"),
+        "--configs",
+        configs,
+        "--seeds",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-n",
+        "16",
+        "--out",
+        str(out),
+        "--extra",
+        SMALL,
+        *flags,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -45,7 +60,8 @@ def test_smoke_study_skip_and_continue(tmp_path):
     # results.csv: the evaluations at steps 0, 1, 2 of each run, accuracies out of 16 problems
     rows = _csv(out / "results.csv")
     assert [(r["config"], r["seed"], r["step"]) for r in rows] == [
-        (c, "1", s) for c in ("grpo", "tepo") for s in ("0", "1", "2")]
+        (c, "1", s) for c in ("grpo", "tepo") for s in ("0", "1", "2")
+    ]
     for c in ("grpo", "tepo"):
         secs = [float(r["seconds"]) for r in rows if r["config"] == c]
         assert secs[0] == 0 and secs[0] < secs[1] < secs[2]
@@ -55,7 +71,11 @@ def test_smoke_study_skip_and_continue(tmp_path):
     # steps.csv: one row per training step; mask_frac only where TEPO logs it
     steps = _csv(out / "steps.csv")
     assert [(r["config"], r["step"]) for r in steps] == [
-        ("grpo", "1"), ("grpo", "2"), ("tepo", "1"), ("tepo", "2")]
+        ("grpo", "1"),
+        ("grpo", "2"),
+        ("tepo", "1"),
+        ("tepo", "2"),
+    ]
     assert all(r["entropy"] for r in steps)
     assert [bool(r["mask_frac"]) for r in steps] == [False, False, True, True]
 
@@ -67,6 +87,7 @@ def test_smoke_study_skip_and_continue(tmp_path):
     assert "## Verdict" in summary and "### The rule" in summary
     try:
         import matplotlib  # noqa: F401
+
         assert (out / "curves.png").stat().st_size > 10_000
     except ImportError:
         assert "matplotlib is not installed" in p.stdout
@@ -154,10 +175,30 @@ def test_make_jobs(tmp_path):
     assert resume[1:] == [diag, str(ROOT / "tepo.py"), "--resume", str(runs / "tepo-observed-s1")]
     assert jobs[0].append and not jobs[2].append
     assert (out / "logs" / "tepo-observed-s1.resumes").read_text() == "7\n"
-    assert fresh[1:] == [diag, str(ROOT / "tepo.py"), "--seed", "2", "--output-dir", str(runs),
-                         "--run-name", "tepo-observed-s2", "--eval-every", "10", "--eval-n", "128",
-                         "--save-every", "100000", "--sample-every", "100000",
-                         "--tensorboard", "false", "--entropy-test", "observed", "--lr", "1e-3"]
+    assert fresh[1:] == [
+        diag,
+        str(ROOT / "tepo.py"),
+        "--seed",
+        "2",
+        "--output-dir",
+        str(runs),
+        "--run-name",
+        "tepo-observed-s2",
+        "--eval-every",
+        "10",
+        "--eval-n",
+        "128",
+        "--save-every",
+        "100000",
+        "--sample-every",
+        "100000",
+        "--tensorboard",
+        "false",
+        "--entropy-test",
+        "observed",
+        "--lr",
+        "1e-3",
+    ]
     assert (runs / "grpo-s2.incomplete-1" / "metrics.jsonl").is_file()  # moved aside
     assert not (runs / "grpo-s2").exists() and not (out / "logs" / "grpo-s2.resumes").exists()
     _fake_checkpoint(runs / "grpo-s1", 160)
@@ -188,9 +229,10 @@ def test_configs_and_settings(tmp_path):
     # PLAN.md's candidates with their clips spelled out, whatever tepo.py's default is
     assert study.CONFIGS["tepo-seq-ppo"] == ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"])
     assert study.CONFIGS["tepo-seq-gspo"] == ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"])
-    assert study.CONFIGS["tepo-token-ratio"] == ("tepo",
-                                                 ["--ratio-level", "token", "--clip-low", "0.2",
-                                                  "--clip-high", "0.28"])
+    assert study.CONFIGS["tepo-token-ratio"] == (
+        "tepo",
+        ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"],
+    )
     assert study.CANDIDATES == ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
     assert study.resolve_seeds("3,1") == [3, 1]
     args = study.Args()
@@ -207,9 +249,11 @@ def _job(tmp_path, name, code):
 
 
 def test_run_jobs_reports_failures_and_goes_on(tmp_path, capsys):
-    jobs = [_job(tmp_path, "bad", "import sys; print('line 1'); print('boom'); sys.exit(3)"),
-            _job(tmp_path, "good", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"),
-            _job(tmp_path, "after", "print('ran')")]
+    jobs = [
+        _job(tmp_path, "bad", "import sys; print('line 1'); print('boom'); sys.exit(3)"),
+        _job(tmp_path, "good", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"),
+        _job(tmp_path, "after", "print('ran')"),
+    ]
     assert study.run_jobs(jobs, 2, poll_s=0.05) == ["bad"]
     err = capsys.readouterr().err
     assert "FAILED bad (exit 3)" in err and "boom" in err
@@ -230,18 +274,22 @@ def test_study_exit_code_after_a_failure(tmp_path, monkeypatch, capsys):
 
 def test_sigterm_stops_running_jobs_with_a_save(tmp_path):
     """SIGTERM on the study: each running script gets SIGTERM (save and stop); exit 130."""
-    child = ("import pathlib, signal, sys, time; p = pathlib.Path(sys.argv[1]); "
-             "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('saved'), sys.exit(143))); "
-             "p.with_suffix('.up').write_text(''); time.sleep(120)")
+    child = (
+        "import pathlib, signal, sys, time; p = pathlib.Path(sys.argv[1]); "
+        "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('saved'), sys.exit(143))); "
+        "p.with_suffix('.up').write_text(''); time.sleep(120)"
+    )
     driver = tmp_path / "driver.py"
     driver.write_text(
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import study\n"
         f"from pathlib import Path\nt = Path({str(tmp_path)!r})\n"
         f"jobs = [study.Job(f'j{{i}}', [sys.executable, '-c', {child!r}, str(t / f'j{{i}}.txt')],"
         f" t / f'j{{i}}.log') for i in range(3)]\n"
-        f"study.run_jobs(jobs, 2, poll_s=0.05)\n")
-    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+        f"study.run_jobs(jobs, 2, poll_s=0.05)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not all((tmp_path / f"j{i}.up").exists() for i in (0, 1)):
         time.sleep(0.1)
@@ -272,8 +320,11 @@ def _rows(reach, steps=150, every=10, dt=3.0, lo=0.2, hi=0.6):
 
 
 def _runs(**reach_by_config):
-    return {(c, s): _rows(r) for c, reaches in reach_by_config.items()
-            for s, r in zip((1, 2, 3), reaches)}
+    return {
+        (c, s): _rows(r)
+        for c, reaches in reach_by_config.items()
+        for s, r in zip((1, 2, 3), reaches)
+    }
 
 
 def _write_run(out, name, reach, resumes=None):
@@ -311,13 +362,17 @@ def test_first_reach_and_mean_std():
     assert study.first_reach(_rows(reach=None), 0.54) is None
     assert study.mean_std([40, 50, 60]) == (50, 10)
     m, s = study.mean_std([1, 2])
-    assert m == 1.5 and abs(s - 0.5 ** 0.5) < 1e-12
+    assert m == 1.5 and abs(s - 0.5**0.5) < 1e-12
     assert study.mean_std([7]) == (7, None) and study.mean_std([]) == (None, None)
 
 
 def test_threshold_and_aggregate():
-    runs = {("grpo", 1): _rows(90, hi=0.5), ("grpo", 2): _rows(100, hi=0.6),
-            ("grpo", 3): _rows(110, hi=0.7), ("tepo", 1): _rows(None)}
+    runs = {
+        ("grpo", 1): _rows(90, hi=0.5),
+        ("grpo", 2): _rows(100, hi=0.6),
+        ("grpo", 3): _rows(110, hi=0.7),
+        ("tepo", 1): _rows(None),
+    }
     thr = study.threshold_of(runs, 0.9)
     assert abs(thr - 0.9 * 0.6) < 1e-12
     stats = study.aggregate(runs, ["grpo", "dapo", "tepo"], thr)
@@ -327,10 +382,12 @@ def test_threshold_and_aggregate():
     assert g["reach_steps"] == [None, 100, 110] and g["reach_seconds"] == [None, 300.0, 330.0]
     assert g["sampled"] == [0.5, 0.6, 0.7] and g["start"] == [0.2] * 3 and g["steps"] == 150
     assert g["mask_frac"] == [None] * 3 and g["seconds_per_step"] == [3.0] * 3
-    masked = [{**r, "mask_frac": 0.1 * (r["step"] % 3)} if r["step"] else r
-              for r in _rows(None, steps=6)]
-    assert study.aggregate({("tepo", 1): masked}, ["tepo"],
-                           thr)["tepo"]["mask_frac"][0] == pytest.approx(0.1)
+    masked = [
+        {**r, "mask_frac": 0.1 * (r["step"] % 3)} if r["step"] else r for r in _rows(None, steps=6)
+    ]
+    assert study.aggregate({("tepo", 1): masked}, ["tepo"], thr)["tepo"]["mask_frac"][
+        0
+    ] == pytest.approx(0.1)
     assert stats["tepo"]["reach_steps"] == [None]
     assert study.threshold_of({("tepo", 1): _rows(10)}, 0.9) is None
 
@@ -355,12 +412,15 @@ def test_compare_rule():
     assert study.combine([]) == "inconclusive"
 
 
-@pytest.mark.parametrize("tepo,dapo,expected", [
-    ([40, 50, 60], [110, 120, 130], "confirmed"),
-    ([40, 50, 60], [30, 40, 50], "refuted"),  # faster than GRPO, slower than DAPO
-    ([50, 60, 100], [110, 120, 130], "inconclusive"),
-    ([None, None, None], [110, 120, 130], "refuted"),
-])
+@pytest.mark.parametrize(
+    "tepo,dapo,expected",
+    [
+        ([40, 50, 60], [110, 120, 130], "confirmed"),
+        ([40, 50, 60], [30, 40, 50], "refuted"),  # faster than GRPO, slower than DAPO
+        ([50, 60, 100], [110, 120, 130], "inconclusive"),
+        ([None, None, None], [110, 120, 130], "refuted"),
+    ],
+)
 def test_verdict(tepo, dapo, expected):
     runs = _runs(grpo=[90, 100, 110], dapo=dapo, tepo=tepo)
     thr = study.threshold_of(runs, 0.9)
@@ -380,19 +440,22 @@ def test_no_verdict():
 def test_summary_and_csv_from_disk(tmp_path, capsys):
     """--no-run aggregates finished runs on disk; the table shows hand-computed figures."""
     out = tmp_path / "s"
-    for c, reaches in (("grpo", [90, 100, 110]), ("dapo", [110, 120, 130]),
-                       ("tepo", [40, 50, 60])):
+    for c, reaches in (("grpo", [90, 100, 110]), ("dapo", [110, 120, 130]), ("tepo", [40, 50, 60])):
         for seed, reach in zip((1, 2, 3), reaches):
             _write_run(out, f"{c}-s{seed}", reach)
     (out / "runs" / "tepo-observed-s1").mkdir()  # started, not finished: left out, and said so
-    assert study.main(["--configs", "grpo,dapo,tepo,tepo-observed", "--out", str(out),
-                       "--no-run"]) == 0
+    assert (
+        study.main(["--configs", "grpo,dapo,tepo,tepo-observed", "--out", str(out), "--no-run"])
+        == 0
+    )
     summary = (out / "summary.md").read_text()
     # threshold 0.9 x 0.6 = 0.54; TEPO 50 ± 10 steps = 150 ± 30 s; 50 / 100 = 0.50x GRPO,
     # 50 / 120 = 0.42x DAPO, the same in seconds
     assert "**Threshold**: 0.540" in summary
-    assert ("| tepo | 3 | 150 | 0.600 ± 0.000 | 0.700 ± 0.000 | 50 ± 10 (3/3 reached) | "
-            "150 ± 30 (3/3 reached) | 0.50x | 0.42x | 0.50x | 0.42x |") in summary
+    assert (
+        "| tepo | 3 | 150 | 0.600 ± 0.000 | 0.700 ± 0.000 | 50 ± 10 (3/3 reached) | "
+        "150 ± 30 (3/3 reached) | 0.50x | 0.42x | 0.50x | 0.42x |"
+    ) in summary
     assert "| grpo | 3 | 150 | 0.600 ± 0.000 | 0.700 ± 0.000 | 100 ± 10 (3/3 reached)" in summary
     assert "before training (step 0, the same model for every config): 0.200 ± 0.000" in summary
     assert "- tepo: s1 40, s2 50, s3 60" in summary
@@ -402,8 +465,14 @@ def test_summary_and_csv_from_disk(tmp_path, capsys):
     assert "No finished runs: tepo-observed" in summary
     res = _csv(out / "results.csv")
     assert len(res) == 9 * 16  # 9 runs x evaluations at steps 0, 10, ..., 150
-    assert res[5] == {"config": "grpo", "seed": "1", "step": "50", "seconds": "150",
-                      "greedy_acc": "0.3", "sampled_acc": "0.2"}
+    assert res[5] == {
+        "config": "grpo",
+        "seed": "1",
+        "step": "50",
+        "seconds": "150",
+        "greedy_acc": "0.3",
+        "sampled_acc": "0.2",
+    }
     steps = _csv(out / "steps.csv")
     assert len(steps) == 9 * 150 and steps[0]["mask_frac"] == "" and steps[0]["entropy"] == "0.5"
     assert "verdict" in capsys.readouterr().out
@@ -420,9 +489,14 @@ def test_resumes_on_disk_are_not_counted(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     runs, unfinished = study.load_runs(out, ["grpo"], [1])
     assert unfinished == [] and [r["seconds"] for r in runs["grpo", 1]][:7] == [
-        0, 3, 6, 9, 12, 15, 18]
-
-
+        0,
+        3,
+        6,
+        9,
+        12,
+        15,
+        18,
+    ]
 
 
 # =====================================================================================
@@ -515,13 +589,20 @@ def test_candidate_scores_take_the_larger_ratio():
     # X: ratios to GRPO 0.2, 0.5 (mean 0.35), to DAPO 0.1, 1.0 (0.55): score 0.55, the larger.
     # Y: 0.7, 0.35 and 0.35, 0.7: score 0.525. By the larger Y is ahead; by the smaller (0.35 vs
     # 0.525) or the mean over both (0.45 vs 0.525), X would be.
-    stats = {"grpo": _st([100, 200]), "dapo": _st([200, 100]), "tepo-seq-ppo": _st([20, 100]),
-             "tepo-seq-gspo": _st([70, 70]), "tepo-token-ratio": _st([200, 200])}
+    stats = {
+        "grpo": _st([100, 200]),
+        "dapo": _st([200, 100]),
+        "tepo-seq-ppo": _st([20, 100]),
+        "tepo-seq-gspo": _st([70, 70]),
+        "tepo-token-ratio": _st([200, 200]),
+    }
     scores = study.candidate_scores(stats)
-    assert scores == pytest.approx({"tepo-seq-ppo": 0.55, "tepo-seq-gspo": 0.525,
-                                    "tepo-token-ratio": 1.5})
-    assert study.candidate_scores({"grpo": _st([100]),
-                                   "tepo-seq-ppo": _st([50])}) == {"tepo-seq-ppo": None}
+    assert scores == pytest.approx(
+        {"tepo-seq-ppo": 0.55, "tepo-seq-gspo": 0.525, "tepo-token-ratio": 1.5}
+    )
+    assert study.candidate_scores({"grpo": _st([100]), "tepo-seq-ppo": _st([50])}) == {
+        "tepo-seq-ppo": None
+    }
 
 
 BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
@@ -530,8 +611,12 @@ BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
 def test_pick_default_lowest_score_when_the_interval_excludes_0():
     # scores: tepo 0.9, gspo 0.6, token 0.8; gspo - token = -30, -20, -10: CI [-30, -10], no 0.
     # token's accuracy is far higher, but the accuracy does not decide here.
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.5),
-             "tepo-seq-gspo": _st([50, 60, 70], 0.5), "tepo-token-ratio": _st([80, 80, 80], 0.7)}
+    stats = {
+        **BASE,
+        "tepo-seq-ppo": _st([90, 90, 90], 0.5),
+        "tepo-seq-gspo": _st([50, 60, 70], 0.5),
+        "tepo-token-ratio": _st([80, 80, 80], 0.7),
+    }
     name, why = study.pick_default(stats)
     assert name == "tepo-seq-gspo", why
     assert "tepo-seq-ppo 0.900, tepo-seq-gspo 0.600, tepo-token-ratio 0.800" in why
@@ -543,8 +628,12 @@ def test_pick_default_accuracy_decides_when_the_interval_contains_0():
     # mean is 0 only when all three draws are seed 1 (p 1/27 = 3.7% > 2.5%), so CI [-20, 0]
     # holds 0 at its end. Then token's accuracy, 0.05 higher, wins; tepo's, higher still, is not
     # one of the two best and does not count.
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9),
-             "tepo-seq-gspo": _st([80, 70, 60], 0.5), "tepo-token-ratio": _st([80, 80, 80], 0.55)}
+    stats = {
+        **BASE,
+        "tepo-seq-ppo": _st([90, 90, 90], 0.9),
+        "tepo-seq-gspo": _st([80, 70, 60], 0.5),
+        "tepo-token-ratio": _st([80, 80, 80], 0.55),
+    }
     name, why = study.pick_default(stats)
     assert name == "tepo-token-ratio", why
     assert "[95% CI -20.0, +0.0] contains 0" in why
@@ -554,8 +643,12 @@ def test_pick_default_accuracy_decides_when_the_interval_contains_0():
 def test_pick_default_tepo_stays_when_accuracies_are_within_0_01():
     # scores: gspo 0.6, token 0.617, tepo 0.9 (last); gspo - token = -5, -5, +5: CI [-5, 5].
     # Accuracies 0.60 and 0.61: within 0.01 (the end included), so (a) tepo stays, last or not.
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90], 0.9),
-             "tepo-seq-gspo": _st([50, 60, 70], 0.6), "tepo-token-ratio": _st([55, 65, 65], 0.61)}
+    stats = {
+        **BASE,
+        "tepo-seq-ppo": _st([90, 90, 90], 0.9),
+        "tepo-seq-gspo": _st([50, 60, 70], 0.6),
+        "tepo-token-ratio": _st([55, 65, 65], 0.61),
+    }
     name, why = study.pick_default(stats)
     assert name == "tepo-seq-ppo", why
     assert "contains 0" in why and "(a) `tepo-seq-ppo` stays" in why
@@ -574,17 +667,25 @@ def test_pick_default_without_a_rule_to_apply():
 
 def _study_runs(**reach_by_config):
     """160-step runs, evaluated every 10, one per seed 1, 2, 3 (None: never reaches 0.6)."""
-    return {(c, s): _rows(r, steps=160) for c, reaches in reach_by_config.items()
-            for s, r in zip((1, 2, 3), reaches)}
+    return {
+        (c, s): _rows(r, steps=160)
+        for c, reaches in reach_by_config.items()
+        for s, r in zip((1, 2, 3), reaches)
+    }
 
 
 def _summary(tmp_path, runs, threshold=None, **args):
     configs = list(dict.fromkeys(c for c, _ in runs))
     thr = threshold if threshold is not None else study.threshold_of(runs, 0.9)
     stats = study.aggregate(runs, configs, thr, eval_every=10)
-    study.write_summary(tmp_path,
-                        study.Args(configs=",".join(configs), threshold=threshold, **args), stats,
-                        thr, [], configs)
+    study.write_summary(
+        tmp_path,
+        study.Args(configs=",".join(configs), threshold=threshold, **args),
+        stats,
+        thr,
+        [],
+        configs,
+    )
     return (tmp_path / "summary.md").read_text()
 
 
@@ -592,23 +693,35 @@ def test_summary_paired_section_development(tmp_path):
     # threshold 0.9 x 0.6 = 0.54. Censored steps: grpo 40, 60, 80; dapo 80, 120, 170 (never);
     # tepo 20, 30, 40; gspo 170 (never, final 0.2), 30, 40; token 20, 40, 40. With three seeds
     # each end of an interval has p 1/27 > 2.5%: the intervals are [min, max] of per-seed values.
-    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None],
-                       **{"tepo-seq-ppo": [20, 30, 40], "tepo-seq-gspo": [None, 30, 40],
-                          "tepo-token-ratio": [20, 40, 40]})
+    runs = _study_runs(
+        grpo=[40, 60, 80],
+        dapo=[80, 120, None],
+        **{
+            "tepo-seq-ppo": [20, 30, 40],
+            "tepo-seq-gspo": [None, 30, 40],
+            "tepo-token-ratio": [20, 40, 40],
+        },
+    )
     summary = _summary(tmp_path, runs)
     # the first study's content
     assert "## Verdict" in summary and "| tepo-seq-ppo | 3 | 160 |" in summary
     assert "## Paired by seed (docs/study/PLAN.md)" in summary
     assert "`--threshold 0.54`" in summary or "`--threshold 0.5399999999999999`" in summary
     # tepo - grpo = -20, -30, -40; ratios 0.5 each; accuracies alike
-    assert "| tepo-seq-ppo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | " \
-           "+0.000 [+0.000, +0.000] |" in summary
+    assert (
+        "| tepo-seq-ppo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | "
+        "+0.000 [+0.000, +0.000] |" in summary
+    )
     # tepo - dapo = -60, -90, -130 (mean -93.3); ratios 0.25, 0.25, 40/170 = 0.235 (mean 0.245)
-    assert ("| tepo-seq-ppo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |"
-            in summary)
+    assert (
+        "| tepo-seq-ppo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |"
+        in summary
+    )
     # gspo - grpo = 130, -30, -40 (mean 20); ratios 4.25, 0.5, 0.5 (mean 1.75); acc -0.4, 0, 0
-    assert "| tepo-seq-gspo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | " \
-           "-0.133 [-0.400, +0.000] |" in summary
+    assert (
+        "| tepo-seq-gspo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | "
+        "-0.133 [-0.400, +0.000] |" in summary
+    )
     assert "| seed | grpo | dapo | tepo-seq-ppo | tepo-seq-gspo | tepo-token-ratio |" in summary
     assert "| 1 | 40 / 0.600 | 80 / 0.600 | 20 / 0.600 | 170* / 0.200 | 20 / 0.600 |" in summary
     assert "| 3 | 80 / 0.600 | 170* / 0.200 | 40 / 0.600 | 40 / 0.600 | 40 / 0.600 |" in summary
@@ -618,7 +731,7 @@ def test_summary_paired_section_development(tmp_path):
     assert "**New default by PLAN.md's rule** (seeds 1, 2, 3): `tepo-seq-ppo`. Scores" in summary
     assert "tepo-seq-ppo 0.500, tepo-seq-gspo 1.750, tepo-token-ratio 0.556" in summary
     assert "(a) `tepo-seq-ppo` stays" in summary
-    assert "Verdict on \"50% faster\" by PLAN.md's rule" not in summary  # three TEPO configs
+    assert 'Verdict on "50% faster" by PLAN.md\'s rule' not in summary  # three TEPO configs
 
 
 def test_summary_paired_section_confirmation(tmp_path):
@@ -628,17 +741,25 @@ def test_summary_paired_section_confirmation(tmp_path):
     runs = _study_runs(grpo=[80, 120, None], dapo=[40, 60, 80], **{"tepo-seq-gspo": [30, 50, 60]})
     summary = _summary(tmp_path, runs, threshold=0.54)
     assert "**Threshold**: 0.540 held-out sampled accuracy fixed by --threshold 0.54." in summary
-    assert ("| tepo-seq-gspo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |"
-            in summary)
-    assert ("| tepo-seq-gspo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |"
-            in summary)
-    assert ("**Verdict on \"50% faster\" by PLAN.md's rule** (`tepo-seq-gspo`, seeds 1, 2, 3): "
-            "against GRPO **confirmed** (ratio 0.382 [0.353, 0.417]); against DAPO **refuted** "
-            "(ratio 0.778 [0.750, 0.833]). The claim: **refuted**.") in summary
+    assert (
+        "| tepo-seq-gspo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |"
+        in summary
+    )
+    assert (
+        "| tepo-seq-gspo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |"
+        in summary
+    )
+    assert (
+        '**Verdict on "50% faster" by PLAN.md\'s rule** (`tepo-seq-gspo`, seeds 1, 2, 3): '
+        "against GRPO **confirmed** (ratio 0.382 [0.353, 0.417]); against DAPO **refuted** "
+        "(ratio 0.778 [0.750, 0.833]). The claim: **refuted**."
+    ) in summary
     assert "New default by PLAN.md's rule" not in summary  # one candidate only
     # the first study's rule judges `tepo` only, and says where this study's verdict is
-    assert ("No verdict by this rule, which judges the config `tepo`; for `tepo-seq-gspo` see the "
-            "paired statistics below.") in summary
+    assert (
+        "No verdict by this rule, which judges the config `tepo`; for `tepo-seq-gspo` see the "
+        "paired statistics below."
+    ) in summary
     # all faster than half of both: confirmed against each, and so the claim
     runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], **{"tepo-seq-gspo": [20, 20, 30]})
     assert "The claim: **confirmed**." in _summary(tmp_path, runs, threshold=0.54)
@@ -650,15 +771,32 @@ def test_console_prints_the_plans_verdict(tmp_path, capsys):
     out = tmp_path / "s"
     # threshold 0.5 fixed; reached at gspo 30, 50, 60 / grpo 80, 120, 150 / dapo 40, 60, 80:
     # ratios to DAPO 0.75, 0.833, 0.75, lo > 0.5: refuted against DAPO, and so the claim
-    for config, reaches in {"grpo": [80, 120, 150], "dapo": [40, 60, 80],
-                            "tepo-seq-gspo": [30, 50, 60]}.items():
+    for config, reaches in {
+        "grpo": [80, 120, 150],
+        "dapo": [40, 60, 80],
+        "tepo-seq-gspo": [30, 50, 60],
+    }.items():
         for seed, reach in zip((1, 2, 3), reaches):
             _write_run(out, f"{config}-s{seed}", reach)
-    assert study.main(["--configs", "grpo,dapo,tepo-seq-gspo", "--out", str(out), "--no-run",
-                       "--threshold", "0.5"]) == 0
+    assert (
+        study.main(
+            [
+                "--configs",
+                "grpo,dapo,tepo-seq-gspo",
+                "--out",
+                str(out),
+                "--no-run",
+                "--threshold",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == ("verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): refuted "
-                    "(`tepo-seq-gspo`, docs/study/PLAN.md's rule)"), last
+    assert last == (
+        "verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): refuted "
+        "(`tepo-seq-gspo`, docs/study/PLAN.md's rule)"
+    ), last
     # the first rule's paragraph
     assert "No verdict by this rule" in (out / "summary.md").read_text()
 
@@ -675,8 +813,9 @@ def test_fixed_threshold_from_disk(tmp_path):
     out = tmp_path / "s"
     for seed, reach in zip((1, 2, 3), [40, 50, 60]):
         _write_run(out, f"tepo-s{seed}", reach)
-    assert study.main(["--configs", "tepo", "--out", str(out), "--no-run", "--threshold",
-                       "0.5"]) == 0
+    assert (
+        study.main(["--configs", "tepo", "--out", str(out), "--no-run", "--threshold", "0.5"]) == 0
+    )
     summary = (out / "summary.md").read_text()
     assert "**Threshold**: 0.500 held-out sampled accuracy fixed by --threshold 0.5." in summary
     assert "- tepo: s1 40, s2 50, s3 60" in summary
@@ -687,10 +826,20 @@ def test_doctests():
 
 
 def test_kl_diagnosis_figure_only_for_tepo_configs_that_logged_it(tmp_path):
-    kl = {"kl_pos_adv": 0.1, "kl_neg_adv": 0.2, "masked_kl": 0.3, "kl_off_mask": 0.05,
-          "kl_first_quarter": 0.01, "kl_last_quarter": 0.4, "truncated_frac": 0.5}
-    runs = {("grpo", 1): _rows(40), ("tepo", 1): [{**r, **kl} for r in _rows(40)],
-            ("tepo", 2): [{**r, **kl} for r in _rows(50)]}
+    kl = {
+        "kl_pos_adv": 0.1,
+        "kl_neg_adv": 0.2,
+        "masked_kl": 0.3,
+        "kl_off_mask": 0.05,
+        "kl_first_quarter": 0.01,
+        "kl_last_quarter": 0.4,
+        "truncated_frac": 0.5,
+    }
+    runs = {
+        ("grpo", 1): _rows(40),
+        ("tepo", 1): [{**r, **kl} for r in _rows(40)],
+        ("tepo", 2): [{**r, **kl} for r in _rows(50)],
+    }
     assert study.plot_kl_diagnosis(tmp_path, {("grpo", 1): _rows(40)}, ["grpo"]) is False
     assert not (tmp_path / "kl_diagnosis.png").exists()
     assert study.plot_kl_diagnosis(tmp_path, runs, ["grpo", "tepo"]) is True
@@ -705,13 +854,18 @@ def test_intervals_figure_needs_both_baselines(tmp_path):
     assert (tmp_path / "intervals.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small(tmp_path,
-                                                                                 monkeypatch):
+def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small(
+    tmp_path, monkeypatch
+):
     pytest.importorskip("matplotlib")
     import matplotlib.axes
     from PIL import Image
-    runs = {(c, s): _rows(r) for c,
-            r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-gspo", 50)) for s in (1, 2)}
+
+    runs = {
+        (c, s): _rows(r)
+        for c, r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-gspo", 50))
+        for s in (1, 2)
+    }
     drawn = []  # (panel title, labels of its lines), captured as the figure is saved
     real_savefig = matplotlib.figure.Figure.savefig
 
@@ -722,10 +876,17 @@ def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     assert study.plot_curves(tmp_path, runs, ["grpo", "dapo", "tepo", "tepo-seq-gspo"], 0.5) is True
     acc = {t: labels for t, labels in drawn if t.startswith("held-out sampled acc")}
-    assert acc["held-out sampled acc: baselines and other scripts"] == ["grpo", "dapo",
-                                                                         "threshold 0.500"]
-    assert acc["held-out sampled acc: TEPO configs"] == ["grpo (reference)", "tepo",
-                                                         "tepo-seq-gspo", "threshold 0.500"]
+    assert acc["held-out sampled acc: baselines and other scripts"] == [
+        "grpo",
+        "dapo",
+        "threshold 0.500",
+    ]
+    assert acc["held-out sampled acc: TEPO configs"] == [
+        "grpo (reference)",
+        "tepo",
+        "tepo-seq-gspo",
+        "threshold 0.500",
+    ]
     png = tmp_path / "curves.png"
     assert png.stat().st_size < 300_000
     with Image.open(png) as im:

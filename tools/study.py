@@ -122,26 +122,42 @@ from common import UserError, arg  # noqa: E402
 # =====================================================================================
 @dataclass
 class Args:
-    configs: str | None = arg(None, "comma list of configs (default: every config whose script "
-                              "exists; they are listed at the top of tools/study.py)")
+    configs: str | None = arg(
+        None,
+        "comma list of configs (default: every config whose script "
+        "exists; they are listed at the top of tools/study.py)",
+    )
     seeds: str = arg("1,2,3", "comma list of seeds; every config runs every seed")
-    runs: str | None = arg(None, "explicit config:seed pairs, run in this order, instead of every "
-                           "config x every seed, e.g. tepo-seq-mean:1,dapo:2")
-    steps: int | None = arg(None, "training steps per run (default: the scripts' own, 160 on the "
-                            "tiny task); a finished run with fewer steps is continued to this many")
+    runs: str | None = arg(
+        None,
+        "explicit config:seed pairs, run in this order, instead of every "
+        "config x every seed, e.g. tepo-seq-mean:1,dapo:2",
+    )
+    steps: int | None = arg(
+        None,
+        "training steps per run (default: the scripts' own, 160 on the "
+        "tiny task); a finished run with fewer steps is continued to this many",
+    )
     jobs: int = arg(1, "runs at once; each gets max(1, cores // jobs) torch threads")
     out: str = arg("runs/study", "study folder: runs/, logs/, results.csv, curves.png, summary.md")
-    threshold_frac: float = arg(0.9, "threshold = this x GRPO's final mean held-out sampled "
-                                "accuracy (unless --threshold)")
-    threshold: float | None = arg(None, "a fixed held-out sampled accuracy threshold in (0, 1] "
-                                  "instead of --threshold-frac's; PLAN.md fixes it from the "
-                                  "development seeds for the confirmation seeds (their summary "
-                                  "prints the exact value)")
+    threshold_frac: float = arg(
+        0.9, "threshold = this x GRPO's final mean held-out sampled accuracy (unless --threshold)"
+    )
+    threshold: float | None = arg(
+        None,
+        "a fixed held-out sampled accuracy threshold in (0, 1] "
+        "instead of --threshold-frac's; PLAN.md fixes it from the "
+        "development seeds for the confirmation seeds (their summary "
+        "prints the exact value)",
+    )
     no_run: bool = arg(False, "start no run: only aggregate the finished runs already in --out")
     eval_every: int = arg(10, "held-out evaluation every N steps (and at the first and last)")
     eval_n: int = arg(128, "held-out problems per evaluation")
-    extra: str = arg("", "more flags given to every run alike, e.g. --extra \"--device cuda\" "
-                     "(one flag alone: --extra=--bf16)")
+    extra: str = arg(
+        "",
+        'more flags given to every run alike, e.g. --extra "--device cuda" '
+        "(one flag alone: --extra=--bf16)",
+    )
 
 
 # name -> (script, the flags that make this config); every other flag is the scripts' default
@@ -152,8 +168,10 @@ CONFIGS = {
     "tepo-observed": ("tepo", ["--entropy-test", "observed"]),
     "erpo": ("erpo", []),
     "sapo": ("sapo", []),
-    "tepo-token-ratio": ("tepo", ["--ratio-level", "token", "--clip-low", "0.2",
-                                  "--clip-high", "0.28"]),  # (c)
+    "tepo-token-ratio": (
+        "tepo",
+        ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"],
+    ),  # (c)
     "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
     "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
@@ -209,13 +227,17 @@ def resolve_seeds(seeds: str) -> list[int]:
 
 
 def check_args(args: Args) -> None:
-    common.check_args(args, {
-        f"--jobs must be at least 1, not {args.jobs}": args.jobs >= 1,
-        f"--threshold-frac must be in (0, 1], not {args.threshold_frac}":
-            0 < args.threshold_frac <= 1,
-        f"--threshold must be in (0, 1], not {args.threshold}":
-            args.threshold is None or 0 < args.threshold <= 1,
-    })  # --steps, --eval-every, --eval-n >= 1: checked by name in common.check_args
+    common.check_args(
+        args,
+        {
+            f"--jobs must be at least 1, not {args.jobs}": args.jobs >= 1,
+            f"--threshold-frac must be in (0, 1], not {args.threshold_frac}": 0
+            < args.threshold_frac
+            <= 1,
+            f"--threshold must be in (0, 1], not {args.threshold}": args.threshold is None
+            or 0 < args.threshold <= 1,
+        },
+    )  # --steps, --eval-every, --eval-n >= 1: checked by name in common.check_args
 
 
 def run_name(config: str, seed: int) -> str:
@@ -275,16 +297,23 @@ def resolve_runs(runs: str) -> list[tuple[str, int]]:
     for item in (x.strip() for x in runs.split(",") if x.strip()):
         config, _, seed = item.rpartition(":")
         if config not in CONFIGS or not seed.lstrip("-").isdigit():
-            raise UserError(f"--runs takes config:seed pairs with a known config, not {item!r} "
-                            f"(configs: {', '.join(CONFIGS)})")
+            raise UserError(
+                f"--runs takes config:seed pairs with a known config, not {item!r} "
+                f"(configs: {', '.join(CONFIGS)})"
+            )
         pairs.append((config, int(seed)))
     if not pairs:
         raise UserError("--runs is empty")
     return pairs
 
 
-def make_jobs(args: Args, configs: list[str], seeds: list[int], out: Path,
-              pairs: list[tuple[str, int]] | None = None) -> list[Job]:
+def make_jobs(
+    args: Args,
+    configs: list[str],
+    seeds: list[int],
+    out: Path,
+    pairs: list[tuple[str, int]] | None = None,
+) -> list[Job]:
     """The runs still to do, seed by seed so that with --jobs > 1 the configs share the machine
     alike (or in the order of `pairs`). Moves aside what cannot be resumed, and notes each
     resume's step for the timing. Each run goes through tools/diagnostics.py."""
@@ -301,37 +330,71 @@ def make_jobs(args: Args, configs: list[str], seeds: list[int], out: Path,
         if action == "resume":
             with open(resumes, "a") as f:
                 f.write(f"{checkpoint_step(run_dir)}\n")
-            jobs.append(Job(name,
-                            [sys.executable, str(DIAGNOSTICS), script, "--resume", str(run_dir),
-                             *steps], log, append=True))
+            jobs.append(
+                Job(
+                    name,
+                    [sys.executable, str(DIAGNOSTICS), script, "--resume", str(run_dir), *steps],
+                    log,
+                    append=True,
+                )
+            )
             continue
         if action == "restart":
-            tqdm.write(f"{name}: stopped without a checkpoint; moved to "
-                       f"{move_aside(run_dir).name}, starting again")
+            tqdm.write(
+                f"{name}: stopped without a checkpoint; moved to "
+                f"{move_aside(run_dir).name}, starting again"
+            )
         resumes.unlink(missing_ok=True)
-        jobs.append(Job(name, [sys.executable, str(DIAGNOSTICS), script, "--seed", str(seed),
-                               "--output-dir", str(out / "runs"), "--run-name", name,
-                               "--eval-every", str(args.eval_every),
-                               "--eval-n", str(args.eval_n), *FIXED_FLAGS,
-                               *CONFIGS[config][1], *shlex.split(args.extra), *steps], log))
+        jobs.append(
+            Job(
+                name,
+                [
+                    sys.executable,
+                    str(DIAGNOSTICS),
+                    script,
+                    "--seed",
+                    str(seed),
+                    "--output-dir",
+                    str(out / "runs"),
+                    "--run-name",
+                    name,
+                    "--eval-every",
+                    str(args.eval_every),
+                    "--eval-n",
+                    str(args.eval_n),
+                    *FIXED_FLAGS,
+                    *CONFIGS[config][1],
+                    *shlex.split(args.extra),
+                    *steps,
+                ],
+                log,
+            )
+        )
     return jobs
 
 
 def check_same_settings(out: Path, args: Args, configs: list[str]) -> None:
     """A study folder holds runs made with one set of flags: mixing would compare unlike runs."""
     path = out / "study.json"
-    now = {"eval_every": args.eval_every, "eval_n": args.eval_n, "extra": shlex.split(args.extra),
-           "configs": {c: CONFIGS[c][1] for c in configs}}
+    now = {
+        "eval_every": args.eval_every,
+        "eval_n": args.eval_n,
+        "extra": shlex.split(args.extra),
+        "configs": {c: CONFIGS[c][1] for c in configs},
+    }
     if path.is_file():
         before = json.loads(path.read_text())
         for key in ("eval_every", "eval_n", "extra"):
             if before[key] != now[key]:
-                raise UserError(f"{out} was run with --{key.replace('_', '-')} {before[key]!r}, "
-                                f"not {now[key]!r}: use the same, or another --out")
+                raise UserError(
+                    f"{out} was run with --{key.replace('_', '-')} {before[key]!r}, "
+                    f"not {now[key]!r}: use the same, or another --out"
+                )
         for c, flags in now["configs"].items():
             if before["configs"].get(c, flags) != flags:
-                raise UserError(f"config {c!r} in {out} was run with {before['configs'][c]}: "
-                                f"use another --out")
+                raise UserError(
+                    f"config {c!r} in {out} was run with {before['configs'][c]}: use another --out"
+                )
         now["configs"] = {**before["configs"], **now["configs"]}
     path.write_text(json.dumps(now, indent=2))
 
@@ -349,8 +412,13 @@ def log_tail(path: Path, n: int = 15) -> str:
 def child_env(jobs: int) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = str(max(1, (cores or 1) // jobs))  # runs side by side must not oversubscribe cores
-    return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _stop(signum, frame):  # SIGTERM on the study: stop like Ctrl-C
@@ -372,8 +440,14 @@ def run_jobs(jobs: list[Job], n_parallel: int, poll_s: float = 0.5) -> list[str]
                 with open(job.log, "a" if job.append else "w") as f:
                     f.write(f"$ {shlex.join(job.cmd)}\n")
                     f.flush()
-                    job.proc = subprocess.Popen(job.cmd, stdout=f, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+                    job.proc = subprocess.Popen(
+                        job.cmd,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        cwd=ROOT,
+                        env=env,
+                    )
                 running.append(job)
                 bar.set_postfix_str(f"running {', '.join(j.name for j in running)}")
             time.sleep(poll_s)
@@ -382,11 +456,16 @@ def run_jobs(jobs: list[Job], n_parallel: int, poll_s: float = 0.5) -> list[str]
                 bar.update(1)
                 if job.proc.returncode != 0:
                     failed.append(job.name)
-                    tqdm.write(f"FAILED {job.name} (exit {job.proc.returncode}); the end of "
-                               f"{job.log}:\n{log_tail(job.log)}", file=sys.stderr)
+                    tqdm.write(
+                        f"FAILED {job.name} (exit {job.proc.returncode}); the end of "
+                        f"{job.log}:\n{log_tail(job.log)}",
+                        file=sys.stderr,
+                    )
     except KeyboardInterrupt:
-        tqdm.write(f"stopping: {len(running)} running run(s) finish their step and save a "
-                   f"checkpoint; run the same command again to continue")
+        tqdm.write(
+            f"stopping: {len(running)} running run(s) finish their step and save a "
+            f"checkpoint; run the same command again to continue"
+        )
         for job in running:
             job.proc.send_signal(signal.SIGTERM)  # after a terminal's SIGINT, still only a stop
         for job in running:
@@ -419,8 +498,11 @@ def elapsed_seconds(rows: list[dict], resumed_after: set[int] = frozenset()) -> 
     gaps = [0.0] + [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
     resumed = [i > 0 and rows[i]["step"] - 1 in resumed_after for i in range(len(rows))]
     for i in (i for i, r in enumerate(resumed) if r):
-        same = [gaps[j] for j in range(1, len(rows))
-                if not resumed[j] and is_eval(rows[j]) == is_eval(rows[i])]
+        same = [
+            gaps[j]
+            for j in range(1, len(rows))
+            if not resumed[j] and is_eval(rows[j]) == is_eval(rows[i])
+        ]
         other = [gaps[j] for j in range(1, len(rows)) if not resumed[j]]
         gaps[i] = statistics.median(same or other or [0.0])
     out, total = [], 0.0
@@ -492,8 +574,9 @@ def threshold_of(runs: dict, threshold_frac: float) -> float | None:
     return threshold_frac * mean_std(finals)[0] if finals else None
 
 
-def aggregate(runs: dict, configs: list[str], threshold: float | None,
-              eval_every: int = 10) -> dict:
+def aggregate(
+    runs: dict, configs: list[str], threshold: float | None, eval_every: int = 10
+) -> dict:
     """Per config: seeds, held-out sampled accuracy before training ("start") and at the end,
     final greedy accuracy, and per-seed steps / seconds to the threshold (None: never reached,
     or no threshold), and PLAN.md's censored steps (never reached: last step + eval_every)."""
@@ -503,23 +586,30 @@ def aggregate(runs: dict, configs: list[str], threshold: float | None,
         if not seeds:
             continue
         finals = [final_eval(runs[config, s]) for s in seeds]
-        reach = [first_reach(runs[config, s], threshold) if threshold is not None else None
-                 for s in seeds]
+        reach = [
+            first_reach(runs[config, s], threshold) if threshold is not None else None
+            for s in seeds
+        ]
         stats[config] = {
             "seeds": seeds,
-            "start": [next(r for r in runs[config, s] if is_eval(r))["eval/sampled_acc"]
-                      for s in seeds],
+            "start": [
+                next(r for r in runs[config, s] if is_eval(r))["eval/sampled_acc"] for s in seeds
+            ],
             "steps": max(runs[config, s][-1]["step"] for s in seeds),
             "sampled": [f["eval/sampled_acc"] for f in finals],
             "greedy": [f["eval/greedy_acc"] for f in finals],
             "reach_steps": [r[0] if r else None for r in reach],
             "reach_seconds": [r[1] if r else None for r in reach],
-            "censored_steps": [censored_steps(runs[config, s], threshold,
-                                              runs[config, s][-1]["step"], eval_every)
-                               if threshold is not None else None for s in seeds],
+            "censored_steps": [
+                censored_steps(runs[config, s], threshold, runs[config, s][-1]["step"], eval_every)
+                if threshold is not None
+                else None
+                for s in seeds
+            ],
             "mask_frac": [run_mean(runs[config, s], "mask_frac") for s in seeds],
-            "seconds_per_step": [runs[config, s][-1]["seconds"]
-                                 / max(1, runs[config, s][-1]["step"]) for s in seeds],
+            "seconds_per_step": [
+                runs[config, s][-1]["seconds"] / max(1, runs[config, s][-1]["step"]) for s in seeds
+            ],
         }
     return stats
 
@@ -582,8 +672,7 @@ def compare(tepo: list, base: list, claim_ratio: float = CLAIM_RATIO) -> str:
         return "inconclusive"
     if not t or mean_std(t)[0] >= mean_std(b)[0] or min(t) > claim_ratio * max(b):
         return "refuted"
-    if (len(t) == len(tepo) and mean_std(t)[0] <= claim_ratio * mean_std(b)[0]
-            and max(t) < min(b)):
+    if len(t) == len(tepo) and mean_std(t)[0] <= claim_ratio * mean_std(b)[0] and max(t) < min(b):
         return "confirmed"
     return "inconclusive"
 
@@ -599,17 +688,23 @@ def verdict(stats: dict, threshold: float | None) -> tuple[str | None, str]:
     """(the verdict in steps, or None when there is nothing to judge; a paragraph)."""
     bases = [b for b in BASELINES if b in stats]
     if CLAIMED not in stats and (others := [c for c in stats if CONFIGS[c][0] == "tepo"]):
-        return None, (f"No verdict by this rule, which judges the config `{CLAIMED}`; for "
-                      f"`{'`, `'.join(others)}` see the paired statistics below.")
+        return None, (
+            f"No verdict by this rule, which judges the config `{CLAIMED}`; for "
+            f"`{'`, `'.join(others)}` see the paired statistics below."
+        )
     if threshold is None or CLAIMED not in stats or not bases:
-        return None, ("No verdict: it needs finished runs of `grpo` (for the threshold), of "
-                      "`tepo`, and of `grpo` or `dapo`.")
+        return None, (
+            "No verdict: it needs finished runs of `grpo` (for the threshold), of "
+            "`tepo`, and of `grpo` or `dapo`."
+        )
     t = stats[CLAIMED]
     start = mean_std([a for c in (CLAIMED, *bases) for a in stats[c]["start"]])[0]
     if threshold <= start + 1e-9:  # (float sums: 0.2 six times averages to 0.19999...)
-        return None, (f"No verdict: the threshold {threshold:.3f} is not above the accuracy "
-                      f"before training ({start:.3f}), so reaching it says nothing about speed. "
-                      f"Train longer (--steps) or raise --threshold-frac.")
+        return None, (
+            f"No verdict: the threshold {threshold:.3f} is not above the accuracy "
+            f"before training ({start:.3f}), so reaching it says nothing about speed. "
+            f"Train longer (--steps) or raise --threshold-frac."
+        )
     parts, by_measure = [], {}
     for measure, unit in (("reach_steps", "steps"), ("reach_seconds", "seconds")):
         each = {b: compare(t[measure], stats[b][measure]) for b in bases}
@@ -617,18 +712,24 @@ def verdict(stats: dict, threshold: float | None) -> tuple[str | None, str]:
         details = []
         for b in bases:
             r = ratio(reached_mean(t[measure]), reached_mean(stats[b][measure]))
-            details.append(f"against {b.upper()} {each[b]} (TEPO {_fmt_reach(t[measure])} vs "
-                           f"{_fmt_reach(stats[b][measure])}, ratio {_fmt_ratio(r)})")
+            details.append(
+                f"against {b.upper()} {each[b]} (TEPO {_fmt_reach(t[measure])} vs "
+                f"{_fmt_reach(stats[b][measure])}, ratio {_fmt_ratio(r)})"
+            )
         details = "; ".join(details)
         parts.append(f"In {unit}: **{by_measure[unit]}**: {details}.")
-    head = (f"Claim (TEPO's abstract): \"reducing convergence time by 50% compared with "
-            f"GRPO/DAPO\", read here as steps (and seconds) to {threshold:.3f} held-out sampled "
-            f"accuracy, over {len(t['seeds'])} TEPO seed(s). ")
-    tail = (" Steps are the measure the machine cannot disturb; seconds also count each "
-            "script's cost per step (DAPO regenerates dropped groups, TEPO computes a mask) and "
-            "are fair only between runs that shared the machine alike. This is a 0.8M-parameter "
-            "model on a toy arithmetic task, not the paper's setting: the verdict says whether "
-            "the effect shows at this scale, not whether the paper's numbers hold.")
+    head = (
+        f"Claim (TEPO's abstract): \"reducing convergence time by 50% compared with "
+        f'GRPO/DAPO", read here as steps (and seconds) to {threshold:.3f} held-out sampled '
+        f"accuracy, over {len(t['seeds'])} TEPO seed(s). "
+    )
+    tail = (
+        " Steps are the measure the machine cannot disturb; seconds also count each "
+        "script's cost per step (DAPO regenerates dropped groups, TEPO computes a mask) and "
+        "are fair only between runs that shared the machine alike. This is a 0.8M-parameter "
+        "model on a toy arithmetic task, not the paper's setting: the verdict says whether "
+        "the effect shows at this scale, not whether the paper's numbers hold."
+    )
     if missing := [b for b in BASELINES if b not in stats]:
         tail += f" Not compared (no finished runs): {', '.join(missing)}."
     return by_measure["steps"], head + " ".join(parts) + tail
@@ -669,8 +770,9 @@ def percentile_interval(means: list[float], level: float = 0.95) -> tuple[float,
     return m[k], m[len(m) - 1 - k]
 
 
-def bootstrap_ci(values: list[float], n_boot: int = 10000, seed: int = 0,
-                 level: float = 0.95) -> tuple[float, float]:
+def bootstrap_ci(
+    values: list[float], n_boot: int = 10000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """PLAN.md's percentile bootstrap interval of the mean, numpy-free so that it is the same
     everywhere: n_boot resamples of the values with replacement (random.Random(seed).choices,
     as many as there are values), the mean of each, then percentile_interval. With five seeds it
@@ -772,8 +874,9 @@ def candidate_scores(stats: dict) -> dict[str, float | None]:
     for c in (c for c in CANDIDATES if c in stats):
         means = []
         for b in BASELINES:
-            r = b in stats and ratios(paired(by_seed(stats[c], "censored_steps"),
-                                             by_seed(stats[b], "censored_steps")))
+            r = b in stats and ratios(
+                paired(by_seed(stats[c], "censored_steps"), by_seed(stats[b], "censored_steps"))
+            )
             means.append(_mean(r) if r else None)
         scores[c] = None if None in means else max(means)
     return scores
@@ -790,28 +893,33 @@ def pick_default(stats: dict) -> tuple[str | None, str]:
         return None, f"no pick: no finished runs of {', '.join(missing)}"
     scores = candidate_scores(stats)
     if None in scores.values():
-        return None, ("no pick: a baseline run was at the threshold at step 0 (the threshold is "
-                      "not above the accuracy before training), so a ratio is undefined")
+        return None, (
+            "no pick: a baseline run was at the threshold at step 0 (the threshold is "
+            "not above the accuracy before training), so a ratio is undefined"
+        )
     ranked = sorted(CANDIDATES, key=lambda c: (scores[c], CANDIDATES.index(c)))
     best, second = ranked[:2]
-    steps = differences(paired(by_seed(stats[best], "censored_steps"),
-                               by_seed(stats[second], "censored_steps")))
+    steps = differences(
+        paired(by_seed(stats[best], "censored_steps"), by_seed(stats[second], "censored_steps"))
+    )
     if not steps:
         return None, f"no pick: {best} and {second} have no seed in common"
     lo, hi = bootstrap_ci(steps)
-    why = ("scores (the larger of the mean paired step ratios to GRPO and to DAPO): "
-           + ", ".join(f"{c} {scores[c]:.3f}" for c in CANDIDATES)
-           + f"; the two best, {best} and {second}: paired difference in steps {_mean(steps):+.1f} "
-           f"[95% CI {lo:+.1f}, {hi:+.1f}]")
+    why = (
+        "scores (the larger of the mean paired step ratios to GRPO and to DAPO): "
+        + ", ".join(f"{c} {scores[c]:.3f}" for c in CANDIDATES)
+        + f"; the two best, {best} and {second}: paired difference in steps {_mean(steps):+.1f} "
+        f"[95% CI {lo:+.1f}, {hi:+.1f}]"
+    )
     if not lo <= 0 <= hi:
         return best, why + f" excludes 0, so the lowest score wins: `{best}`"
     acc = paired(by_seed(stats[best], "sampled"), by_seed(stats[second], "sampled"))
     a, b = _mean([x for x, _ in acc]), _mean([y for _, y in acc])
-    why += (f" contains 0, so the final sampled accuracy decides: {best} {a:.3f}, "
-            f"{second} {b:.3f}")
+    why += f" contains 0, so the final sampled accuracy decides: {best} {a:.3f}, {second} {b:.3f}"
     if abs(a - b) <= ACC_TIE + 1e-9:  # + 1e-9: 0.61 - 0.60 is 0.0100000000000000009 in floats
-        return CANDIDATES[0], why + (f", within {ACC_TIE}: (a) `{CANDIDATES[0]}` stays (no change "
-                                     "without evidence)")
+        return CANDIDATES[0], why + (
+            f", within {ACC_TIE}: (a) `{CANDIDATES[0]}` stays (no change without evidence)"
+        )
     winner = best if a > b else second
     return winner, why + f": `{winner}`, the higher"
 
@@ -824,42 +932,57 @@ def _fmt_ci(values: list[float] | None, fmt: str) -> str:
     return f"{_mean(values):{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
-def paired_section(stats: dict, threshold: float | None,
-                   eval_every: int) -> tuple[list[str], str | None]:
+def paired_section(
+    stats: dict, threshold: float | None, eval_every: int
+) -> tuple[list[str], str | None]:
     """(summary.md's lines for PLAN.md's analysis, PLAN.md's verdict on the claim or None): no
     lines unless the study has both baselines, a candidate and a threshold; a verdict only when
     one TEPO config ran."""
-    if (threshold is None or any(b not in stats for b in BASELINES)
-            or not any(c in stats for c in CANDIDATES)):
+    if (
+        threshold is None
+        or any(b not in stats for b in BASELINES)
+        or not any(c in stats for c in CANDIDATES)
+    ):
         return [], None
-    lines = ["", "## Paired by seed (docs/study/PLAN.md)", "",
-             "The second study's statistics, fixed in docs/study/PLAN.md before its runs (the "
-             "verdict above is the first study's rule). Steps to the threshold "
-             f"{threshold:.3f}: the first evaluation at or above it; a run that never reaches it "
-             f"counts as its last step + {eval_every} ({160 + eval_every} for 160 steps), a lower "
-             "bound that favours it. For a config X against a baseline Y, over the seeds both "
-             "ran: the difference d_s = X_s - Y_s (steps; final sampled accuracy) and the ratio "
-             "r_s = steps X_s / steps Y_s; mean [95% percentile bootstrap interval: 10,000 "
-             "resamples of the seeds with replacement, random.Random(0); the sorted resampled "
-             "means at indices 250 and 9749].", "",
-             "| config | vs | seeds paired | never reached (config / baseline) | steps: mean "
-             "difference [95% CI] | steps: mean ratio [95% CI] | final sampled acc: mean "
-             "difference [95% CI] |",
-             "|" + "---|" * 7]
+    lines = [
+        "",
+        "## Paired by seed (docs/study/PLAN.md)",
+        "",
+        "The second study's statistics, fixed in docs/study/PLAN.md before its runs (the "
+        "verdict above is the first study's rule). Steps to the threshold "
+        f"{threshold:.3f}: the first evaluation at or above it; a run that never reaches it "
+        f"counts as its last step + {eval_every} ({160 + eval_every} for 160 steps), a lower "
+        "bound that favours it. For a config X against a baseline Y, over the seeds both "
+        "ran: the difference d_s = X_s - Y_s (steps; final sampled accuracy) and the ratio "
+        "r_s = steps X_s / steps Y_s; mean [95% percentile bootstrap interval: 10,000 "
+        "resamples of the seeds with replacement, random.Random(0); the sorted resampled "
+        "means at indices 250 and 9749].",
+        "",
+        "| config | vs | seeds paired | never reached (config / baseline) | steps: mean "
+        "difference [95% CI] | steps: mean ratio [95% CI] | final sampled acc: mean "
+        "difference [95% CI] |",
+        "|" + "---|" * 7,
+    ]
     for c in (c for c in stats if c not in BASELINES):
         for b in BASELINES:
             steps = paired(by_seed(stats[c], "censored_steps"), by_seed(stats[b], "censored_steps"))
             never = paired(by_seed(stats[c], "reach_steps"), by_seed(stats[b], "reach_steps"))
             acc = paired(by_seed(stats[c], "sampled"), by_seed(stats[b], "sampled"))
-            lines.append(f"| {c} | {b} | {len(steps)} | {sum(x is None for x, _ in never)} / "
-                         f"{sum(y is None for _, y in never)} | "
-                         f"{_fmt_ci(differences(steps), '+.1f')} | {_fmt_ci(ratios(steps), '.3f')} "
-                         f"| {_fmt_ci(differences(acc), '+.3f')} |")
+            lines.append(
+                f"| {c} | {b} | {len(steps)} | {sum(x is None for x, _ in never)} / "
+                f"{sum(y is None for _, y in never)} | "
+                f"{_fmt_ci(differences(steps), '+.1f')} | {_fmt_ci(ratios(steps), '.3f')} "
+                f"| {_fmt_ci(differences(acc), '+.3f')} |"
+            )
     seeds = sorted({s for st in stats.values() for s in st["seeds"]})
-    lines += ["",
-              "Per seed: steps to the threshold (* never reached, counted as above) / final "
-              "sampled accuracy:", "", "| seed | " + " | ".join(stats) + " |",
-              "|" + "---|" * (len(stats) + 1)]
+    lines += [
+        "",
+        "Per seed: steps to the threshold (* never reached, counted as above) / final "
+        "sampled accuracy:",
+        "",
+        "| seed | " + " | ".join(stats) + " |",
+        "|" + "---|" * (len(stats) + 1),
+    ]
     for seed in seeds:
         cells = []
         for st in stats.values():
@@ -872,30 +995,43 @@ def paired_section(stats: dict, threshold: float | None,
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     if all(c in stats for c in CANDIDATES):
         name, why = pick_default(stats)
-        lines += ["", f"**New default by PLAN.md's rule** (seeds {', '.join(map(str, seeds))}): "
-                  + (f"`{name}`. " if name else "") + why[0].upper() + why[1:] + "."]
+        lines += [
+            "",
+            f"**New default by PLAN.md's rule** (seeds {', '.join(map(str, seeds))}): "
+            + (f"`{name}`. " if name else "")
+            + why[0].upper()
+            + why[1:]
+            + ".",
+        ]
     tepos, claim = [c for c in stats if CONFIGS[c][0] == "tepo"], None
     if len(tepos) == 1:
         c, each, parts = tepos[0], [], []
         for b in BASELINES:
-            r = ratios(paired(by_seed(stats[c], "censored_steps"),
-                              by_seed(stats[b], "censored_steps")))
+            r = ratios(
+                paired(by_seed(stats[c], "censored_steps"), by_seed(stats[b], "censored_steps"))
+            )
             if not r:
-                parts.append(f"against {b.upper()} no verdict (no ratio: a {b} run was at the "
-                             f"threshold at step 0)")
+                parts.append(
+                    f"against {b.upper()} no verdict (no ratio: a {b} run was at the "
+                    f"threshold at step 0)"
+                )
                 each.append("inconclusive")
                 continue
             each.append(claim_verdict(*bootstrap_ci(r)))
             parts.append(f"against {b.upper()} **{each[-1]}** (ratio {_fmt_ci(r, '.3f')})")
         claim = f"{combine_claim(each)} (`{c}`, docs/study/PLAN.md's rule)"
-        lines += ["", f"**Verdict on \"50% faster\" by PLAN.md's rule** (`{c}`, seeds "
-                  f"{', '.join(map(str, sorted(stats[c]['seeds'])))}): " + "; ".join(parts)
-                  + f". The claim: **{combine_claim(each)}**. Against one baseline, from the 95% "
-                  "interval [lo, hi] of the mean paired ratio of steps: confirmed if hi < 1 and "
-                  "lo <= 0.5, refuted if lo > 0.5, inconclusive otherwise; the claim is confirmed "
-                  "if confirmed against both GRPO and DAPO, refuted if refuted against either. A "
-                  "verdict about this reading on this task and this model, not the paper's "
-                  "setting."]
+        lines += [
+            "",
+            f'**Verdict on "50% faster" by PLAN.md\'s rule** (`{c}`, seeds '
+            f"{', '.join(map(str, sorted(stats[c]['seeds'])))}): "
+            + "; ".join(parts)
+            + f". The claim: **{combine_claim(each)}**. Against one baseline, from the 95% "
+            "interval [lo, hi] of the mean paired ratio of steps: confirmed if hi < 1 and "
+            "lo <= 0.5, refuted if lo > 0.5, inconclusive otherwise; the claim is confirmed "
+            "if confirmed against both GRPO and DAPO, refuted if refuted against either. A "
+            "verdict about this reading on this task and this model, not the paper's "
+            "setting.",
+        ]
     return lines, claim
 
 
@@ -903,9 +1039,23 @@ def paired_section(stats: dict, threshold: float | None,
 # Outputs: CSVs, summary.md, curves.png
 # =====================================================================================
 # the KL columns: where the KL sits (TEPO), for PLAN.md's diagnosis
-STEP_COLUMNS = ("reward", "accuracy", "entropy", "mask_frac", "completion_len", "truncated_frac",
-                "clip_frac", "kl", "masked_kl", "kl_pos_adv", "kl_neg_adv", "kl_off_mask",
-                "kl_first_quarter", "kl_last_quarter", "kl_token_max")
+STEP_COLUMNS = (
+    "reward",
+    "accuracy",
+    "entropy",
+    "mask_frac",
+    "completion_len",
+    "truncated_frac",
+    "clip_frac",
+    "kl",
+    "masked_kl",
+    "kl_pos_adv",
+    "kl_neg_adv",
+    "kl_off_mask",
+    "kl_first_quarter",
+    "kl_last_quarter",
+    "kl_token_max",
+)
 
 
 def _cell(v) -> str:
@@ -919,16 +1069,31 @@ def write_csvs(out: Path, runs: dict) -> None:
         for (config, seed), rows in runs.items():
             for r in rows:
                 if is_eval(r):
-                    w.writerow([config, seed, r["step"], _cell(r["seconds"]),
-                                _cell(r["eval/greedy_acc"]), _cell(r["eval/sampled_acc"])])
+                    w.writerow(
+                        [
+                            config,
+                            seed,
+                            r["step"],
+                            _cell(r["seconds"]),
+                            _cell(r["eval/greedy_acc"]),
+                            _cell(r["eval/sampled_acc"]),
+                        ]
+                    )
     with open(out / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["config", "seed", "step", "seconds", *STEP_COLUMNS])
         for (config, seed), rows in runs.items():
             for r in rows:
                 if r["step"] > 0:  # step 0 is the first evaluation only
-                    w.writerow([config, seed, r["step"], _cell(r["seconds"]),
-                                *(_cell(r.get(k)) for k in STEP_COLUMNS)])
+                    w.writerow(
+                        [
+                            config,
+                            seed,
+                            r["step"],
+                            _cell(r["seconds"]),
+                            *(_cell(r.get(k)) for k in STEP_COLUMNS),
+                        ]
+                    )
 
 
 def _fmt_ms(xs: list[float], digits: int = 3) -> str:
@@ -947,62 +1112,108 @@ def _fmt_ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}x"
 
 
-def write_summary(out: Path, args: Args, stats: dict, threshold: float | None,
-                  unfinished: list[str], configs: list[str]) -> tuple[str | None, str | None]:
+def write_summary(
+    out: Path,
+    args: Args,
+    stats: dict,
+    threshold: float | None,
+    unfinished: list[str],
+    configs: list[str],
+) -> tuple[str | None, str | None]:
     """Write summary.md; (the first study's verdict, PLAN.md's verdict), each None if none."""
-    lines = ["# Study: GRPO, DAPO, TEPO and its variants on the bundled tiny task", "",
-             f"Seeds {args.seeds}; held-out evaluation every {args.eval_every} steps on "
-             f"{args.eval_n} problems; every other setting is each script's default"
-             + (f", plus `{args.extra}` for every run" if args.extra else "") + ".",
-             "Accuracies are at each run's last step, mean ± sample std (n - 1) over seeds.", ""]
+    lines = [
+        "# Study: GRPO, DAPO, TEPO and its variants on the bundled tiny task",
+        "",
+        f"Seeds {args.seeds}; held-out evaluation every {args.eval_every} steps on "
+        f"{args.eval_n} problems; every other setting is each script's default"
+        + (f", plus `{args.extra}` for every run" if args.extra else "")
+        + ".",
+        "Accuracies are at each run's last step, mean ± sample std (n - 1) over seeds.",
+        "",
+    ]
     if stats:
-        lines += ["Held-out sampled accuracy before training (step 0, the same model for every "
-                  f"config): {_fmt_ms([a for s in stats.values() for a in s['start']])}.", ""]
+        lines += [
+            "Held-out sampled accuracy before training (step 0, the same model for every "
+            f"config): {_fmt_ms([a for s in stats.values() for a in s['start']])}.",
+            "",
+        ]
     if threshold is not None:
-        source = (f"fixed by --threshold {args.threshold!r}" if args.threshold is not None else
-                  f"= --threshold-frac {args.threshold_frac} x GRPO's final mean sampled accuracy "
-                  f"(to fix it for other seeds, as PLAN.md does: `--threshold {threshold!r}`)")
-        lines += [f"**Threshold**: {threshold:.3f} held-out sampled accuracy {source}. Steps and "
-                  f"seconds to the threshold are those of the first evaluation at or above it; "
-                  f"their mean is over the runs that reached it (count shown); ratios divide those "
-                  f"means by GRPO's and DAPO's.", ""]
+        source = (
+            f"fixed by --threshold {args.threshold!r}"
+            if args.threshold is not None
+            else f"= --threshold-frac {args.threshold_frac} x GRPO's final mean sampled accuracy "
+            f"(to fix it for other seeds, as PLAN.md does: `--threshold {threshold!r}`)"
+        )
+        lines += [
+            f"**Threshold**: {threshold:.3f} held-out sampled accuracy {source}. Steps and "
+            f"seconds to the threshold are those of the first evaluation at or above it; "
+            f"their mean is over the runs that reached it (count shown); ratios divide those "
+            f"means by GRPO's and DAPO's.",
+            "",
+        ]
     else:
         lines += ["**No threshold**: there are no finished `grpo` runs.", ""]
-    lines += ["| config | runs | steps | final sampled acc | final greedy acc | steps to threshold "
-              "| seconds to threshold | steps vs GRPO | steps vs DAPO | seconds vs GRPO "
-              "| seconds vs DAPO |", "|" + "---|" * 11]
+    lines += [
+        "| config | runs | steps | final sampled acc | final greedy acc | steps to threshold "
+        "| seconds to threshold | steps vs GRPO | steps vs DAPO | seconds vs GRPO "
+        "| seconds vs DAPO |",
+        "|" + "---|" * 11,
+    ]
     for c, s in stats.items():
-        rs = [_fmt_ratio(ratio(reached_mean(s[m]), reached_mean(stats[b][m])) if b in stats
-                         else None)
-              for m in ("reach_steps", "reach_seconds") for b in BASELINES]
-        lines.append(f"| {c} | {len(s['seeds'])} | {s['steps']} | {_fmt_ms(s['sampled'])} | "
-                     f"{_fmt_ms(s['greedy'])} | {_fmt_reach(s['reach_steps'])} | "
-                     f"{_fmt_reach(s['reach_seconds'])} | " + " | ".join(rs) + " |")
+        rs = [
+            _fmt_ratio(ratio(reached_mean(s[m]), reached_mean(stats[b][m])) if b in stats else None)
+            for m in ("reach_steps", "reach_seconds")
+            for b in BASELINES
+        ]
+        lines.append(
+            f"| {c} | {len(s['seeds'])} | {s['steps']} | {_fmt_ms(s['sampled'])} | "
+            f"{_fmt_ms(s['greedy'])} | {_fmt_reach(s['reach_steps'])} | "
+            f"{_fmt_reach(s['reach_seconds'])} | " + " | ".join(rs) + " |"
+        )
     lines += ["", "Per seed, steps to the threshold (- = never reached):", ""]
     for c, s in stats.items():
-        per = ", ".join(f"s{seed} {v if v is not None else '-'}"
-                        for seed, v in zip(s["seeds"], s["reach_steps"]))
+        per = ", ".join(
+            f"s{seed} {v if v is not None else '-'}"
+            for seed, v in zip(s["seeds"], s["reach_steps"])
+        )
         lines.append(f"- {c}: {per}")
-    lines += ["",
-              "Per training step, each run's mean over its steps, then mean ± std over seeds: "
-              "`mask_frac`, the fraction of valid tokens in TEPO's KL mask (- where a script has "
-              "no mask), and wall-clock seconds per step, held-out evaluations included:", "",
-              "| config | mask_frac | seconds per step |", "|---|---|---|"]
+    lines += [
+        "",
+        "Per training step, each run's mean over its steps, then mean ± std over seeds: "
+        "`mask_frac`, the fraction of valid tokens in TEPO's KL mask (- where a script has "
+        "no mask), and wall-clock seconds per step, held-out evaluations included:",
+        "",
+        "| config | mask_frac | seconds per step |",
+        "|---|---|---|",
+    ]
     for c, s in stats.items():
         masks = [m for m in s["mask_frac"] if m is not None]
-        lines.append(f"| {c} | {_fmt_ms(masks, 4) if masks else '-'} | "
-                     f"{_fmt_ms(s['seconds_per_step'], 2)} |")
+        lines.append(
+            f"| {c} | {_fmt_ms(masks, 4) if masks else '-'} | {_fmt_ms(s['seconds_per_step'], 2)} |"
+        )
     if missing := [c for c in configs if c not in stats]:
         lines += ["", f"No finished runs: {', '.join(missing)}."]
     if unfinished:
         lines += ["", f"Unfinished, left out: {', '.join(unfinished)}."]
     v, paragraph = verdict(stats, threshold)
-    lines += ["", "## Verdict", "", paragraph, "", "### The rule", "", VERDICT_RULE, "",
-              "### Time", "", "Seconds are wall-clock seconds since the run's step-0 row (logged "
-              "just after the first evaluation): they include every later held-out evaluation, "
-              "equally for all configs, but not start-up; a stop and resume is charged as one "
-              "ordinary step. With --jobs > 1 runs shared the CPU. Threshold steps can only be "
-              f"multiples of --eval-every ({args.eval_every}) or the last step."]
+    lines += [
+        "",
+        "## Verdict",
+        "",
+        paragraph,
+        "",
+        "### The rule",
+        "",
+        VERDICT_RULE,
+        "",
+        "### Time",
+        "",
+        "Seconds are wall-clock seconds since the run's step-0 row (logged "
+        "just after the first evaluation): they include every later held-out evaluation, "
+        "equally for all configs, but not start-up; a stop and resume is charged as one "
+        "ordinary step. With --jobs > 1 runs shared the CPU. Threshold steps can only be "
+        f"multiples of --eval-every ({args.eval_every}) or the last step.",
+    ]
     paired_lines, claim = paired_section(stats, threshold, args.eval_every)
     (out / "summary.md").write_text("\n".join(lines + paired_lines + [""]))
     return v, claim
@@ -1049,18 +1260,25 @@ def plot_curves(out: Path, runs: dict, configs: list[str], threshold: float | No
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no curves.png (pip install matplotlib); "
-              "results.csv and summary.md are written")
+        print(
+            "matplotlib is not installed: no curves.png (pip install matplotlib); "
+            "results.csv and summary.md are written"
+        )
         return False
     tepos = [c for c in configs if CONFIGS.get(c, (c,))[0] == "tepo"]
-    groups = [("baselines and other scripts", [c for c in configs if c not in tepos]),
-              ("TEPO configs", tepos)]
+    groups = [
+        ("baselines and other scripts", [c for c in configs if c not in tepos]),
+        ("TEPO configs", tepos),
+    ]
     panels = [("eval/sampled_acc", "step", g) for g in groups]
     panels += [("entropy", "step", ("", configs))]
     panels += [("eval/sampled_acc", "seconds", g) for g in groups]
     panels += [("mask_frac", "step", ("", tepos))]
-    titles = {"eval/sampled_acc": "held-out sampled acc", "entropy": "entropy (sampling policy)",
-              "mask_frac": "TEPO KL-mask fraction"}
+    titles = {
+        "eval/sampled_acc": "held-out sampled acc",
+        "entropy": "entropy (sampling policy)",
+        "mask_frac": "TEPO KL-mask fraction",
+    }
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, x, (group, members)) in zip(axes.flat, panels):
@@ -1105,10 +1323,10 @@ def plot_intervals(out: Path, stats: dict) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 1.8 + 0.55 * len(others)))
-    measures = [("censored_steps", ratios, "steps to the threshold: ratio to the baseline",
-                 (1.0, 0.5)),
-                ("sampled", differences, "final sampled accuracy: difference to the baseline",
-                 (0.0,))]
+    measures = [
+        ("censored_steps", ratios, "steps to the threshold: ratio to the baseline", (1.0, 0.5)),
+        ("sampled", differences, "final sampled accuracy: difference to the baseline", (0.0,)),
+    ]
     for ax, (key, pair, title, refs) in zip(axes, measures):
         for j, b in enumerate(BASELINES):
             ys, xs, los, his = [], [], [], []
@@ -1135,18 +1353,23 @@ def plot_intervals(out: Path, stats: dict) -> bool:
     return True
 
 
-KL_PANELS = [(("kl_pos_adv", "kl_neg_adv"), "KL on completions with A > 0 / A < 0"),
-             (("masked_kl", "kl_off_mask"), "KL on the mask / off it"),
-             (("kl_first_quarter", "kl_last_quarter"), "KL in the first / last quarter"),
-             (("truncated_frac",), "completions cut off at the cap")]
+KL_PANELS = [
+    (("kl_pos_adv", "kl_neg_adv"), "KL on completions with A > 0 / A < 0"),
+    (("masked_kl", "kl_off_mask"), "KL on the mask / off it"),
+    (("kl_first_quarter", "kl_last_quarter"), "KL in the first / last quarter"),
+    (("truncated_frac",), "completions cut off at the cap"),
+]
 
 
 def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
     """kl_diagnosis.png: for each TEPO config that logged where its KL sits (tepo.py's kl_*
     metrics), one row: the KL split by the advantage's sign, by the mask, by position, and the
     share of completions that stop ending; mean over seeds, min-max band, against the step."""
-    tepos = [c for c in configs
-             if any(c == k and "kl_pos_adv" in rows[-1] for (k, _), rows in runs.items())]
+    tepos = [
+        c
+        for c in configs
+        if any(c == k and "kl_pos_adv" in rows[-1] for (k, _), rows in runs.items())
+    ]
     if not tepos:
         return False
     try:
@@ -1156,8 +1379,9 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(len(tepos), len(KL_PANELS),
-                             figsize=(4.2 * len(KL_PANELS), 2.9 * len(tepos)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(tepos), len(KL_PANELS), figsize=(4.2 * len(KL_PANELS), 2.9 * len(tepos)), squeeze=False
+    )
     for row, config in zip(axes, tepos):
         for ax, (keys, title) in zip(row, KL_PANELS):
             for key, ls in zip(keys, ("-", "--")):
@@ -1170,8 +1394,9 @@ def plot_kl_diagnosis(out: Path, runs: dict, configs: list[str]) -> bool:
             ax.grid(alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7)
-    fig.suptitle("where TEPO's KL to the reference sits (mean over seeds, band = min to max)",
-                 fontsize=10)
+    fig.suptitle(
+        "where TEPO's KL to the reference sits (mean over seeds, band = min to max)", fontsize=10
+    )
     fig.tight_layout()
     save_small(fig, out / "kl_diagnosis.png", dpi=80)
     plt.close(fig)
@@ -1196,8 +1421,10 @@ def study(args: Args) -> int:
         (out / "logs").mkdir(exist_ok=True)
         jobs = make_jobs(args, configs, seeds, out, pairs)
         skipped = (len(pairs) if pairs else len(configs) * len(seeds)) - len(jobs)
-        print(f"{len(jobs)} run(s) to do, {skipped} already finished, {args.jobs} at a time; "
-              f"logs in {out / 'logs'}")
+        print(
+            f"{len(jobs)} run(s) to do, {skipped} already finished, {args.jobs} at a time; "
+            f"logs in {out / 'logs'}"
+        )
         failed = run_jobs(jobs, args.jobs)
     if not (out / "runs").is_dir():
         raise UserError(f"no runs in {out}: run the study first (without --no-run)")
@@ -1211,15 +1438,22 @@ def study(args: Args) -> int:
     plotted = plot_curves(out, runs, configs, threshold)
     diagnosed = plot_kl_diagnosis(out, runs, configs)
     drawn = plot_intervals(out, stats)
-    print(f"wrote {out / 'summary.md'}, results.csv, steps.csv"
-          + (", curves.png" if plotted else "") + (", kl_diagnosis.png" if diagnosed else "")
-          + (", intervals.png" if drawn else ""))
+    print(
+        f"wrote {out / 'summary.md'}, results.csv, steps.csv"
+        + (", curves.png" if plotted else "")
+        + (", kl_diagnosis.png" if diagnosed else "")
+        + (", intervals.png" if drawn else "")
+    )
     # the second study's verdict when it has one (the first study's rule judges `tepo` only)
-    print(f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): "
-          f"{claim or v or 'no verdict'}")
+    print(
+        f"verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): "
+        f"{claim or v or 'no verdict'}"
+    )
     if failed:
-        print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})",
-              file=sys.stderr)
+        print(
+            f"{len(failed)} run(s) failed: {', '.join(failed)} (see {out / 'logs'})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -40,10 +40,23 @@ OF = 2  # in at least 2 of the 3 seeds
 STABLE_DROP = 0.05  # stable: step 60 >= step 30 - this
 LAST_STEPS = range(51, 61)  # the cut-off share over these training steps
 CONFIGS = ("grpo", "tepo", "tepo-seq-mean", "tepo-seq-ppo", "dapo", "grpo-no-kl", "erpo", "sapo")
-STEP_COLUMNS = ("reward", "accuracy", "entropy", "completion_len", "truncated_frac", "clip_frac",
-                "kl", "mask_frac", "right_cut_off_frac", "grad_mass_cut_token_mean",
-                "grad_mass_cut_seq_mean", "clip_frac_pos_adv", "clip_frac_neg_adv",
-                "clip_frac_cut", "clip_frac_ended")
+STEP_COLUMNS = (
+    "reward",
+    "accuracy",
+    "entropy",
+    "completion_len",
+    "truncated_frac",
+    "clip_frac",
+    "kl",
+    "mask_frac",
+    "right_cut_off_frac",
+    "grad_mass_cut_token_mean",
+    "grad_mass_cut_seq_mean",
+    "clip_frac_pos_adv",
+    "clip_frac_neg_adv",
+    "clip_frac_cut",
+    "clip_frac_ended",
+)
 ONE_SEED = ("erpo", "sapo")  # seed 1 each, for the README's table (the plan's step 3)
 TINY = ("tepo-seq-gspo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
 TINY_MARGIN = 0.02
@@ -71,9 +84,13 @@ def read_results(path: Path, sources=None) -> dict:
         for r in csv.DictReader(f):
             if sources is not None and r["source"] not in sources:
                 continue
-            row = {"greedy": _f(r["greedy_acc"]), "sampled": _f(r["sampled_acc"]),
-                   "cut_off_share": _f(r["cut_off_share"]),
-                   "greedy_cut_off_share": _f(r["greedy_cut_off_share"]), "source": r["source"]}
+            row = {
+                "greedy": _f(r["greedy_acc"]),
+                "sampled": _f(r["sampled_acc"]),
+                "cut_off_share": _f(r["cut_off_share"]),
+                "greedy_cut_off_share": _f(r["greedy_cut_off_share"]),
+                "source": r["source"],
+            }
             runs.setdefault((r["config"], int(r["seed"])), {})[int(r["step"])] = row
     return runs
 
@@ -90,8 +107,11 @@ def read_steps(path: Path) -> dict:
 
 def cut_off_share(rows: list[dict], steps) -> float | None:
     """The mean truncated_frac of the training steps in `steps` (None if none was logged)."""
-    vals = [r["truncated_frac"] for r in rows
-            if r["step"] in steps and r.get("truncated_frac") is not None]
+    vals = [
+        r["truncated_frac"]
+        for r in rows
+        if r["step"] in steps and r.get("truncated_frac") is not None
+    ]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -103,9 +123,13 @@ def evals_of(rows: list[dict]) -> dict:
         if r.get("eval/greedy_acc") is None:
             continue
         s = r["step"]
-        out[s] = {"greedy": r["eval/greedy_acc"], "sampled": r.get("eval/sampled_acc"),
-                  "cut_off_share": cut_off_share(rows, range(s - 9, s + 1)) if s else None,
-                  "greedy_cut_off_share": r.get("eval/greedy_truncated_frac"), "source": "run"}
+        out[s] = {
+            "greedy": r["eval/greedy_acc"],
+            "sampled": r.get("eval/sampled_acc"),
+            "cut_off_share": cut_off_share(rows, range(s - 9, s + 1)) if s else None,
+            "greedy_cut_off_share": r.get("eval/greedy_truncated_frac"),
+            "source": "run",
+        }
     return out
 
 
@@ -165,8 +189,11 @@ def stable(evals: dict, config: str) -> bool | None:
     >>> stable(e, "x")
     True
     """
-    ok = [evals[config, s][60]["greedy"] >= evals[config, s][30]["greedy"] - STABLE_DROP
-          for s in SEEDS if 30 in evals.get((config, s), {}) and 60 in evals.get((config, s), {})]
+    ok = [
+        evals[config, s][60]["greedy"] >= evals[config, s][30]["greedy"] - STABLE_DROP
+        for s in SEEDS
+        if 30 in evals.get((config, s), {}) and 60 in evals.get((config, s), {})
+    ]
     return None if len(ok) < len(SEEDS) else sum(ok) >= OF
 
 
@@ -190,8 +217,11 @@ def attribution(verdicts: dict, less_cut_off: bool | None, no_kl: str | None) ->
     if agg == "learns":
         if less_cut_off is None:
             return "the aggregation (pending: the cut-off shares)"
-        return "the aggregation" if less_cut_off else \
-            "the aggregation, not through the cut-off completions"
+        return (
+            "the aggregation"
+            if less_cut_off
+            else "the aggregation, not through the cut-off completions"
+        )
     if no_kl is None:
         return "neither alone (grpo-no-kl pending)"
     if no_kl == "fails":
@@ -204,8 +234,9 @@ def fewer_cut_off(evals: dict, config: str = "tepo-seq-mean") -> bool | None:
     3 seeds."""
     below = []
     for s in SEEDS:
-        mine, theirs = (evals.get((c, s), {}).get(60, {}).get("cut_off_share")
-                        for c in (config, "tepo"))
+        mine, theirs = (
+            evals.get((c, s), {}).get(60, {}).get("cut_off_share") for c in (config, "tepo")
+        )
         if mine is None or theirs is None:
             return None
         below.append(mine < theirs)
@@ -220,8 +251,9 @@ def tiny_finals(tiny: Path) -> dict[str, list[float]]:
         for s in range(6, 11):
             d = tiny / "runs" / f"{config}-s{s}"
             if (d / "summary.json").is_file():
-                finals.append(json.loads((d / "summary.json").read_text())["last_eval"]
-                              ["eval/sampled_acc"])
+                finals.append(
+                    json.loads((d / "summary.json").read_text())["last_eval"]["eval/sampled_acc"]
+                )
         out[config] = finals
     return out
 
@@ -237,9 +269,11 @@ def adoption(verdict: str | None, is_stable: bool | None, finals: dict) -> str:
         return "pending (the tiny task's confirmation seeds 6-10)"
     d = statistics.mean(new) - statistics.mean(old)
     verdict = "adopted" if round(d, 9) >= -TINY_MARGIN else "not adopted"  # no float dust
-    return (f"{verdict}: on the tiny task (seeds 6-10) its mean final sampled accuracy is "
-            f"{statistics.mean(new):.3f} against today's default's {statistics.mean(old):.3f} "
-            f"({d:+.3f}; the plan allows -{TINY_MARGIN})")
+    return (
+        f"{verdict}: on the tiny task (seeds 6-10) its mean final sampled accuracy is "
+        f"{statistics.mean(new):.3f} against today's default's {statistics.mean(old):.3f} "
+        f"({d:+.3f}; the plan allows -{TINY_MARGIN})"
+    )
 
 
 # =====================================================================================
@@ -252,14 +286,34 @@ def _c(v) -> str:
 def write_csvs(docs: Path, evals: dict, steps: dict) -> None:
     with open(docs / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["config", "seed", "step", "greedy_acc", "sampled_acc", "cut_off_share",
-                    "greedy_cut_off_share", "source"])
+        w.writerow(
+            [
+                "config",
+                "seed",
+                "step",
+                "greedy_acc",
+                "sampled_acc",
+                "cut_off_share",
+                "greedy_cut_off_share",
+                "source",
+            ]
+        )
         order = sorted(evals, key=lambda k: (CONFIGS.index(k[0]) if k[0] in CONFIGS else 99, k[1]))
         for config, seed in order:
             e = evals[config, seed]
             for step, r in sorted(e.items()):
-                w.writerow([config, seed, step, _c(r["greedy"]), _c(r["sampled"]),
-                            _c(r["cut_off_share"]), _c(r["greedy_cut_off_share"]), r["source"]])
+                w.writerow(
+                    [
+                        config,
+                        seed,
+                        step,
+                        _c(r["greedy"]),
+                        _c(r["sampled"]),
+                        _c(r["cut_off_share"]),
+                        _c(r["greedy_cut_off_share"]),
+                        r["source"],
+                    ]
+                )
     with open(docs / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["config", "seed", "step", *STEP_COLUMNS])
@@ -276,32 +330,47 @@ def _step_mean(rows: list[dict], key: str, last=LAST_STEPS) -> float | None:
 def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> str:
     g_grpo = gains(evals, "grpo")
     grpo_mean = statistics.mean(g_grpo.values()) if len(g_grpo) == len(SEEDS) else None
-    lines = ["# TEPO on a real model: the plan's runs and its verdict", "",
-             "SmolLM2-135M-Instruct, the cpu preset, 60 steps; held-out greedy and sampled "
-             "accuracy on the same 128 problems (docs/study/PLAN-real.md). Written by "
-             "`python tools/study_real.py`.", "",
-             "| config | seed | greedy at steps 0, 15, 30, 45, 60 | gain | sampled, 0 -> 60 "
-             "| cut off, steps 51-60 | source |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# TEPO on a real model: the plan's runs and its verdict",
+        "",
+        "SmolLM2-135M-Instruct, the cpu preset, 60 steps; held-out greedy and sampled "
+        "accuracy on the same 128 problems (docs/study/PLAN-real.md). Written by "
+        "`python tools/study_real.py`.",
+        "",
+        "| config | seed | greedy at steps 0, 15, 30, 45, 60 | gain | sampled, 0 -> 60 "
+        "| cut off, steps 51-60 | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for config in CONFIGS:
         for s in (1, 2, 3):
             e = evals.get((config, s))
             if not e:
                 continue
-            greedy = ", ".join(f"{e[k]['greedy']:.3f}" if k in e else "-"
-                               for k in (0, 15, 30, 45, 60))
+            greedy = ", ".join(
+                f"{e[k]['greedy']:.3f}" if k in e else "-" for k in (0, 15, 30, 45, 60)
+            )
             gain = f"{e[60]['greedy'] - e[0]['greedy']:+.3f}" if 0 in e and 60 in e else "-"
-            samp = " -> ".join(f"{e[k]['sampled']:.3f}" if k in e and e[k]["sampled"] is not None
-                               else "-" for k in (0, 60))
+            samp = " -> ".join(
+                f"{e[k]['sampled']:.3f}" if k in e and e[k]["sampled"] is not None else "-"
+                for k in (0, 60)
+            )
             cut = e.get(60, {}).get("cut_off_share")
             src = e.get(0, {}).get("source", "run")
-            lines.append(f"| {config} | {s} | {greedy} | {gain} | {samp} | "
-                         f"{'-' if cut is None else f'{cut:.0%}'} | {src} |")
+            lines.append(
+                f"| {config} | {s} | {greedy} | {gain} | {samp} | "
+                f"{'-' if cut is None else f'{cut:.0%}'} | {src} |"
+            )
     if grpo_mean is None:
         return "\n".join(lines + ["", "GRPO's gains are not all in: no verdict."]) + "\n"
-    lines += ["", f"GRPO's mean gain {grpo_mean:.3f} (half of it {grpo_mean / 2:.3f}).", "",
-              "## The verdicts, by the plan's rules", "",
-              "| config | gains by seed | mean | learns / fails / weak | stable |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"GRPO's mean gain {grpo_mean:.3f} (half of it {grpo_mean / 2:.3f}).",
+        "",
+        "## The verdicts, by the plan's rules",
+        "",
+        "| config | gains by seed | mean | learns / fails / weak | stable |",
+        "|---|---|---|---|---|",
+    ]
     verdicts = {}
     for config in CONFIGS:
         g = gains(evals, config)
@@ -314,32 +383,43 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
         else:
             verdicts[config] = classify(g, grpo_mean)
             verdict = verdicts[config] or "pending"
-        lines.append(f"| {config} | {', '.join(f'{v:+.3f}' for v in g.values())} | "
-                     f"{statistics.mean(g.values()):+.3f} | {verdict} | "
-                     f"{'-' if st is None else 'yes' if st else 'no'} |")
+        lines.append(
+            f"| {config} | {', '.join(f'{v:+.3f}' for v in g.values())} | "
+            f"{statistics.mean(g.values()):+.3f} | {verdict} | "
+            f"{'-' if st is None else 'yes' if st else 'no'} |"
+        )
     less = fewer_cut_off(evals)
     if verdicts.get("tepo-seq-mean") not in (None, "learns"):  # the rule needs it only if so
         less_text = f"not needed: tepo-seq-mean {verdicts['tepo-seq-mean']}"
     else:
         less_text = "pending" if less is None else "yes" if less else "no"
-    lines += ["", f"**Attribution**: {attribution(verdicts, less, verdicts.get('grpo-no-kl'))}.",
-              f"(`tepo-seq-mean`'s cut-off share over steps 51-60 below `tepo`'s in at least 2 "
-              f"of 3 seeds: {less_text}.)", "",
-              f"**Adoption** of `--loss-agg seq-mean-token-mean`: "
-              f"{adoption(verdicts.get('tepo-seq-mean'), stable(evals, 'tepo-seq-mean'), finals)}.",
-              "", "## Diagnostics over steps 51-60 (means of the training steps)",
-              "", "| config | seed | cut off | right answers cut off | gradient mass on cut-off, "
-              "token-mean / seq-mean | clip rate A > 0 / A < 0 | clip rate cut off / ended |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"**Attribution**: {attribution(verdicts, less, verdicts.get('grpo-no-kl'))}.",
+        f"(`tepo-seq-mean`'s cut-off share over steps 51-60 below `tepo`'s in at least 2 "
+        f"of 3 seeds: {less_text}.)",
+        "",
+        f"**Adoption** of `--loss-agg seq-mean-token-mean`: "
+        f"{adoption(verdicts.get('tepo-seq-mean'), stable(evals, 'tepo-seq-mean'), finals)}.",
+        "",
+        "## Diagnostics over steps 51-60 (means of the training steps)",
+        "",
+        "| config | seed | cut off | right answers cut off | gradient mass on cut-off, "
+        "token-mean / seq-mean | clip rate A > 0 / A < 0 | clip rate cut off / ended |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (config, s), rows in sorted(steps.items()):
         m = {k: _step_mean(rows, k) for k in STEP_COLUMNS}
 
         def p(k):
             return "-" if m[k] is None else f"{m[k]:.1%}"
-        lines.append(f"| {config} | {s} | {p('truncated_frac')} | {p('right_cut_off_frac')} | "
-                     f"{p('grad_mass_cut_token_mean')} / {p('grad_mass_cut_seq_mean')} | "
-                     f"{p('clip_frac_pos_adv')} / {p('clip_frac_neg_adv')} | "
-                     f"{p('clip_frac_cut')} / {p('clip_frac_ended')} |")
+
+        lines.append(
+            f"| {config} | {s} | {p('truncated_frac')} | {p('right_cut_off_frac')} | "
+            f"{p('grad_mass_cut_token_mean')} / {p('grad_mass_cut_seq_mean')} | "
+            f"{p('clip_frac_pos_adv')} / {p('clip_frac_neg_adv')} | "
+            f"{p('clip_frac_cut')} / {p('clip_frac_ended')} |"
+        )
     if unfinished:
         lines += ["", f"Unfinished, left out: {', '.join(unfinished)}."]
     return "\n".join(lines) + "\n"
@@ -358,11 +438,23 @@ def plot(docs: Path, evals: dict, steps: dict) -> bool:
     for (config, s), e in sorted(evals.items()):
         ks = sorted(e)
         first = s == min(x for c, x in evals if c == config)  # one legend entry per config
-        axes[0].plot(ks, [e[k]["greedy"] for k in ks], marker="o", ms=3, alpha=0.8,
-                     color=colours.get(config), label=config if first else None)
-    for ax, key, title in ((axes[1], "truncated_frac", "cut off (training batches)"),
-                           (axes[2], "grad_mass_cut_token_mean",
-                            "gradient mass on cut-off completions (token-mean weights)")):
+        axes[0].plot(
+            ks,
+            [e[k]["greedy"] for k in ks],
+            marker="o",
+            ms=3,
+            alpha=0.8,
+            color=colours.get(config),
+            label=config if first else None,
+        )
+    for ax, key, title in (
+        (axes[1], "truncated_frac", "cut off (training batches)"),
+        (
+            axes[2],
+            "grad_mass_cut_token_mean",
+            "gradient mass on cut-off completions (token-mean weights)",
+        ),
+    ):
         for (config, s), rows in sorted(steps.items()):
             xs = [r["step"] for r in rows if r.get(key) is not None]
             ys = [r[key] for r in rows if r.get(key) is not None]
@@ -401,8 +493,10 @@ def main(argv=None) -> int:
         text = summary(evals, steps, unfinished, tiny_finals(Path(a.tiny)))
         (docs / "summary.md").write_text(text)
         drawn = plot(docs, evals, steps)
-        print(f"wrote {docs / 'summary.md'}, results.csv, steps.csv"
-              + (", curves.png" if drawn else ""))
+        print(
+            f"wrote {docs / 'summary.md'}, results.csv, steps.csv"
+            + (", curves.png" if drawn else "")
+        )
         return 0
 
 
