@@ -160,3 +160,52 @@ def test_one_seed_configs_and_a_moot_cut_off_rule(tmp_path):
     assert "| sapo | +0.100 | +0.100 | seed 1 only, no rule: gains 0.05 | - |" in text
     assert "at least 2 of 3 seeds: not needed: tepo-seq-mean fails.)" in text
     assert "pending" not in text.replace("grpo-no-kl pending", "")
+
+
+def test_the_length_plan_on_a_study_folder(tmp_path):
+    """PLAN-length.md's rules on made-up runs: tepo-len learns and is stable (adopted; seed 1
+    gains 0.26 >= 0.10), erpo-len fails, sapo-len is weak; TEPO's claim against grpo-len and
+    dapo."""
+    out, docs = tmp_path / "study", tmp_path / "docs"
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        + "".join(
+            f"{c},{s},{k},{g},0.05,{cut if k == 60 else ''},,recorded\n"
+            for c, gs, cut in (
+                ("grpo", (0.1, 0.1, 0.2, 0.2, 0.3), 0.4),
+                ("tepo", (0.1, 0.1, 0.1, 0.1, 0.1), 0.9),
+            )
+            for s in (1, 2, 3)
+            for k, g in zip((0, 15, 30, 45, 60), gs)
+        )
+    )
+    _run(out, "erpo-s1", (0.1, 0.1, 0.1, 0.1, 0.12), cut=0.9)
+    _run(out, "sapo-s1", (0.1, 0.1, 0.1, 0.1, 0.05), cut=0.9)
+    for s in (1, 2, 3):
+        _run(out, f"tepo-len-s{s}", (0.1, 0.4, 0.4, 0.4, 0.36), cut=0.1)  # T reached at 15
+        _run(out, f"grpo-len-s{s}", (0.1, 0.2, 0.2, 0.35, 0.4), cut=0.2)  # T = 0.36 at 60
+        _run(out, f"dapo-s{s}", (0.1, 0.4, 0.4, 0.4, 0.4), cut=0.0)
+        _run(out, f"erpo-len-s{s}", (0.1, 0.1, 0.1, 0.1, 0.13), cut=0.8)
+        gains = (0.16, 0.17, 0.1)[s - 1]  # 2 of 3 gain 0.05 but the mean 0.043 < 0.056: weak
+        _run(out, f"sapo-len-s{s}", (0.1, 0.1, 0.1, 0.1, gains), diag={"explained_var": 0.25})
+    assert sr.main(["--out", str(out), "--docs", str(docs), "--tiny", str(tmp_path / "no")]) == 0
+    text = (docs / "summary.md").read_text()
+    assert "## The length term (docs/study/PLAN-length.md)" in text
+    assert "| tepo | 1 | +0.000 / +0.260 | 90% / 10% |" in text
+    assert "| erpo | 2 | - / +0.030 | - / 80% |" in text  # erpo ran seed 1 only
+    assert "tepo-len learns where tepo failed: the length signal is what tepo lacked here" in text
+    assert "erpo-len fails too: the length signal alone does not make erpo learn here." in text
+    assert "sapo-len is weak: the length signal moves sapo" in text
+    assert (
+        "**Adoption**: adopted: the cpu preset turns on --overlong-cache 16 for every script"
+        in text
+    )
+    assert "gains +0.260: it meets the plan's 0.10" in text
+    # grpo-len's mean step-60 accuracy 0.4 -> T = 0.36: tepo-len 15 steps, grpo-len 60: 0.25
+    assert "against grpo-len: supported: at most 0.6 x grpo-len's steps in 3 of 3 seeds" in text
+    assert "seed 1: tepo-len 15, grpo-len 60 steps: 0.25" in text
+    # dapo: T = 0.36 reached at step 15, as tepo-len: a ratio of 1 -> refuted
+    assert "against dapo: refuted: at least dapo's steps in 3 of 3 seeds (T = 0.360)" in text
+    assert "seed 1: +0.25 over steps 1-15, +0.25 over 46-60" in text
+    assert "explained_var" in (docs / "steps.csv").read_text().splitlines()[0]

@@ -1,5 +1,6 @@
-"""The real-model study of docs/study/PLAN-real.md: why TEPO does not learn on SmolLM2.
-This tool applies the plan's rules, as numbers, to the runs; tools/study.py runs them:
+"""The real-model studies on SmolLM2-135M-Instruct: docs/study/PLAN-real.md (why TEPO does not
+learn) and docs/study/PLAN-length.md (every script with a length term in its reward). This tool
+applies the plans' rules, as numbers, to the runs; tools/study.py runs them:
 
     python tools/study.py --jobs 2 --eval-every 15 --eval-n 128 --out runs/study-real \\
         --extra "--model models/SmolLM2-135M-Instruct --device cpu --save-every 15" \\
@@ -39,7 +40,10 @@ GAIN = 0.05  # a seed "gains" at >= this much held-out greedy accuracy, step 0 -
 OF = 2  # in at least 2 of the 3 seeds
 STABLE_DROP = 0.05  # stable: step 60 >= step 30 - this
 LAST_STEPS = range(51, 61)  # the cut-off share over these training steps
-CONFIGS = ("grpo", "tepo", "tepo-seq-mean", "tepo-seq-ppo", "dapo", "grpo-no-kl", "erpo", "sapo")
+CONFIGS = (
+    "grpo", "tepo", "tepo-seq-mean", "tepo-seq-ppo", "dapo", "grpo-no-kl", "erpo", "sapo",
+    "tepo-len", "grpo-len", "erpo-len", "sapo-len",
+)  # fmt: skip
 STEP_COLUMNS = (
     "reward",
     "accuracy",
@@ -56,10 +60,17 @@ STEP_COLUMNS = (
     "clip_frac_neg_adv",
     "clip_frac_cut",
     "clip_frac_ended",
+    "explained_var",
 )
 ONE_SEED = ("erpo", "sapo")  # seed 1 each, for the README's table (the plan's step 3)
 TINY = ("tepo-seq-gspo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
 TINY_MARGIN = 0.02
+# PLAN-length.md's numbers: each script beside itself with the length term (--overlong-cache 16)
+LENGTH = {"tepo": "tepo-len", "grpo": "grpo-len", "erpo": "erpo-len", "sapo": "sapo-len"}
+COMMAND_GAIN = 0.10  # if adopted, `python tepo.py --model ... --device cpu` (tepo-len seed 1)
+CLAIM_FRAC = 0.9  # TEPO's claim: steps to 0.9 x the baseline's mean step-60 greedy accuracy
+CLAIM_RATIO = 0.6  # "about half": at most 0.6 x the baseline's steps
+EVAL_STEPS = (15, 30, 45, 60)  # the evaluations after step 0; a run that never reaches: > 60
 
 
 @dataclass
@@ -100,7 +111,7 @@ def read_steps(path: Path) -> dict:
     steps = {}
     with open(path) as f:
         for r in csv.DictReader(f):
-            row = {"step": int(r["step"]), **{k: _f(r[k]) for k in STEP_COLUMNS}}
+            row = {"step": int(r["step"]), **{k: _f(r.get(k)) for k in STEP_COLUMNS}}
             steps.setdefault((r["config"], int(r["seed"])), []).append(row)
     return steps
 
@@ -277,6 +288,171 @@ def adoption(verdict: str | None, is_stable: bool | None, finals: dict) -> str:
 
 
 # =====================================================================================
+# PLAN-length.md's rules
+# =====================================================================================
+def failed_before(evals: dict, script: str, verdict: str | None) -> bool | None:
+    """Did the script fail on PLAN-real? tepo by the rule over 3 seeds; erpo and sapo ran seed 1
+    only, and failed there if it did not gain 0.05."""
+    if script in ONE_SEED:
+        g = gains(evals, script)
+        return None if 1 not in g else g[1] < GAIN
+    return None if verdict is None else verdict == "fails"
+
+
+def length_attribution(script: str, failed: bool | None, verdict: str | None) -> str:
+    """What X-len's verdict says of why X failed (PLAN-length.md, "Attribution").
+
+    >>> length_attribution("tepo", True, "learns")
+    'tepo-len learns where tepo failed: the length signal is what tepo lacked here'
+    >>> length_attribution("erpo", True, "weak")
+    "erpo-len is weak: the length signal moves erpo, by less than half of GRPO's gain"
+    """
+    name = LENGTH[script]
+    if failed is None or verdict is None:
+        return "pending"
+    if not failed:
+        return f"no attribution: {script} did not fail"
+    if verdict == "learns":
+        return (
+            f"{name} learns where {script} failed: the length signal is what {script} lacked here"
+        )
+    if verdict == "weak":
+        return f"{name} is weak: the length signal moves {script}, by less than half of GRPO's gain"
+    text = f"{name} fails too: the length signal alone does not make {script} learn here"
+    if script == "tepo":
+        text += (
+            "; what is left: dynamic sampling (DAPO's other difference), then the clip range "
+            "and the masked KL, which no run of this plan separates"
+        )
+    return text
+
+
+def length_adoption(verdict: str | None, is_stable: bool | None) -> str:
+    """The cpu preset turns the length term on for every script if tepo-len learns and is
+    stable."""
+    if verdict is None or is_stable is None:
+        return "pending (the tepo-len runs)"
+    if verdict == "learns" and is_stable:
+        return "adopted: the cpu preset turns on --overlong-cache 16 for every script"
+    return f"not adopted: tepo-len {verdict}" + ("" if is_stable else ", not stable")
+
+
+def steps_to(e: dict, threshold: float) -> int | None:
+    """The first evaluation step from 15 on whose greedy accuracy is >= threshold, else None.
+
+    >>> steps_to({0: {"greedy": .5}, 15: {"greedy": .2}, 30: {"greedy": .4}}, .38)
+    30
+    """
+    return next((k for k in EVAL_STEPS if k in e and e[k]["greedy"] >= threshold), None)
+
+
+def claim(evals: dict, baseline: str, baseline_verdict: str | None) -> tuple[str, list[str]]:
+    """TEPO's claim against one baseline (PLAN-length.md): (verdict, per-seed lines). A
+    baseline that never reaches the threshold counts as > 60 steps, so tepo-len reaching it at
+    step 15 or 30 is a ratio below 0.5.
+
+    >>> e = {(c, s): {0: {"greedy": .1}, **{k: {"greedy": g} for k, g in zip(EVAL_STEPS, gs)}}
+    ...      for s in (1, 2, 3) for c, gs in (("tepo-len", (.4, .4, .4, .4)),
+    ...                                       ("grpo-len", (.1, .2, .4, .4)))}
+    >>> claim(e, "grpo-len", "learns")[0]
+    "supported: at most 0.6 x grpo-len's steps in 3 of 3 seeds (T = 0.360)"
+    """
+    finals = [evals[baseline, s][60]["greedy"] for s in SEEDS if 60 in evals.get((baseline, s), {})]
+    mine = [evals.get(("tepo-len", s), {}) for s in SEEDS]
+    if len(finals) < len(SEEDS) or any(60 not in e for e in mine):
+        return "pending", []
+    threshold = CLAIM_FRAC * statistics.mean(finals)
+    start = max(evals[c, s][0]["greedy"] for c in ("tepo-len", baseline) for s in SEEDS)
+    lines, up, down = [], 0, 0
+    for s, e in zip(SEEDS, mine):
+        t, b = steps_to(e, threshold), steps_to(evals[baseline, s], threshold)
+        if t is not None and b is not None:
+            ratio = t / b
+            up += ratio <= CLAIM_RATIO
+            down += ratio >= 1
+            shown = f"{ratio:.2f}"
+        elif t is not None:  # the baseline needs more than 60 steps
+            up += t / max(EVAL_STEPS) < CLAIM_RATIO
+            shown = f"< {t / max(EVAL_STEPS):.2f}"
+        else:
+            down += b is not None
+            shown = "tepo-len not reached" if b is not None else "neither reached"
+        lines.append(f"seed {s}: tepo-len {t or '> 60'}, {baseline} {b or '> 60'} steps: {shown}")
+    where = f"(T = {threshold:.3f})"
+    if baseline_verdict != "learns":
+        return f"inconclusive: {baseline} does not learn by the rules {where}", lines
+    if threshold <= start:
+        return f"inconclusive: T is not above the step-0 accuracy {where}", lines
+    n = len(SEEDS)
+    if up >= OF:
+        return (
+            f"supported: at most {CLAIM_RATIO} x {baseline}'s steps in {up} of {n} seeds {where}",
+            lines,
+        )
+    if down >= OF:
+        return f"refuted: at least {baseline}'s steps in {down} of {n} seeds {where}", lines
+    return f"inconclusive: neither rule holds in 2 of {n} seeds {where}", lines
+
+
+def length_section(evals: dict, steps: dict, verdicts: dict) -> list[str]:
+    """summary.md's section for PLAN-length.md: attribution, adoption, the claim, the critic."""
+    lines = ["", "## The length term (docs/study/PLAN-length.md)", ""]
+    lines += [
+        "| script | seed | gain without / with the length term | cut off over steps 51-60, "
+        "without / with |",
+        "|---|---|---|---|",
+    ]
+
+    def pair(config: str, seed: int) -> tuple[str, str]:  # (gain, cut-off share), "-" if none
+        e = evals.get((config, seed), {})
+        gain = f"{e[60]['greedy'] - e[0]['greedy']:+.3f}" if 0 in e and 60 in e else "-"
+        cut = e.get(60, {}).get("cut_off_share")
+        return gain, "-" if cut is None else f"{cut:.0%}"
+
+    for script, name in LENGTH.items():
+        for s in SEEDS:
+            if (name, s) not in evals:
+                continue
+            (g0, c0), (g1, c1) = pair(script, s), pair(name, s)
+            lines.append(f"| {script} | {s} | {g0} / {g1} | {c0} / {c1} |")
+    lines.append("")
+    for script in ("tepo", "erpo", "sapo"):
+        failed = failed_before(evals, script, verdicts.get(script))
+        text = length_attribution(script, failed, verdicts.get(LENGTH[script]))
+        lines.append(f"- **Attribution, {script}**: {text}.")
+    tv, ts = verdicts.get("tepo-len"), stable(evals, "tepo-len")
+    lines += ["", f"**Adoption**: {length_adoption(tv, ts)}."]
+    g = gains(evals, "tepo-len")
+    if tv == "learns" and ts and 1 in g:
+        ok = "meets" if g[1] >= COMMAND_GAIN else "does not meet"
+        lines.append(
+            f"The user's command (tepo-len seed 1) gains {g[1]:+.3f}: it {ok} the plan's "
+            f"{COMMAND_GAIN:.2f}."
+        )
+    lines += [
+        "",
+        "**TEPO's claim** (steps to T = 0.9 x the baseline's mean step-60 greedy "
+        "accuracy; tepo-len's steps / the baseline's, paired by seed):",
+        "",
+    ]
+    for baseline in ("grpo-len", "dapo"):
+        verdict, per_seed = claim(evals, baseline, verdicts.get(baseline))
+        lines.append(
+            f"- against {baseline}: {verdict}" + (f" ({'; '.join(per_seed)})" if per_seed else "")
+        )
+    critic = []
+    for s in SEEDS:
+        rows = steps.get(("sapo-len", s), [])
+        early, late = (_step_mean(rows, "explained_var", r) for r in (range(1, 16), range(46, 61)))
+        if early is not None:
+            critic.append(f"seed {s}: {early:+.2f} over steps 1-15, {late:+.2f} over 46-60")
+    if critic:
+        shown = "; ".join(critic)
+        lines += ["", f"**SAPO's critic** with the length term, mean explained variance: {shown}."]
+    return lines
+
+
+# =====================================================================================
 # Writing
 # =====================================================================================
 def _c(v) -> str:
@@ -331,10 +507,10 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
     g_grpo = gains(evals, "grpo")
     grpo_mean = statistics.mean(g_grpo.values()) if len(g_grpo) == len(SEEDS) else None
     lines = [
-        "# TEPO on a real model: the plan's runs and its verdict",
+        "# SmolLM2-135M-Instruct: the real-model plans' runs and their verdicts",
         "",
         "SmolLM2-135M-Instruct, the cpu preset, 60 steps; held-out greedy and sampled "
-        "accuracy on the same 128 problems (docs/study/PLAN-real.md). Written by "
+        "accuracy on the same 128 problems (docs/study/PLAN-real.md, PLAN-length.md). Written by "
         "`python tools/study_real.py`.",
         "",
         "| config | seed | greedy at steps 0, 15, 30, 45, 60 | gain | sampled, 0 -> 60 "
@@ -401,6 +577,11 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
         "",
         f"**Adoption** of `--loss-agg seq-mean-token-mean`: "
         f"{adoption(verdicts.get('tepo-seq-mean'), stable(evals, 'tepo-seq-mean'), finals)}.",
+        *(
+            length_section(evals, steps, verdicts)
+            if {c for c, _ in evals} & set(LENGTH.values())
+            else []
+        ),
         "",
         "## Diagnostics over steps 51-60 (means of the training steps)",
         "",
