@@ -26,7 +26,7 @@ constrains only tokens with a positive advantage and decreasing entropy. As form
   from the sampling policy, so for A > 0 it falls where c_it > 0; observed: it fell since sampling.
 - kl_coef = 0.04, GRPO's beta (our reading). The flags are the uncertain parts, and only those.
 Known: on SmolLM2-135M-Instruct (cpu preset) this default does not learn in 60 steps, 3 seeds of
-3, while grpo.py does; grpo.py with no KL fails as well, implicating TEPO's masked KL (docs/study).
+3, while grpo.py does; its runs stay at the length cap, as every failing run there (docs/study).
 The real-run preset follows the paper where one GPU allows: DAPO-Math-17k, G = 8, 8 updates per
 rollout batch (not its 64 prompts a batch, 8192 tokens, or 7B / 14B models). Below the banner
 "The skeleton" the file is grpo.py's, line for line; lines marked `# TEPO:` differ from grpo.py.

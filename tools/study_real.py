@@ -569,9 +569,15 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
         less_text = f"not needed: tepo-seq-mean {verdicts['tepo-seq-mean']}"
     else:
         less_text = "pending" if less is None else "yes" if less else "no"
+    attributed = attribution(verdicts, less, verdicts.get("grpo-no-kl"))
+    if "KL is implicated" in attributed and verdicts.get("dapo") == "learns":
+        attributed += (
+            " (the plan's words; dapo, with no KL at all, learns, so these runs do not show the KL"
+            " to be the cause: docs/study/PLAN-length.md)"
+        )
     lines += [
         "",
-        f"**Attribution**: {attribution(verdicts, less, verdicts.get('grpo-no-kl'))}.",
+        f"**Attribution**: {attributed}.",
         f"(`tepo-seq-mean`'s cut-off share over steps 51-60 below `tepo`'s in at least 2 "
         f"of 3 seeds: {less_text}.)",
         "",
