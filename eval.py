@@ -44,7 +44,10 @@ Outputs in --output-dir (default runs/eval/<model-name>/); <tag> is `greedy` or 
     results.<tag>.md          the markdown table printed at the end
 <benchmark> is the short name (math500), `org__name-<split>` for a hub dataset id, or the file name
 plus a short hash of its full path for a local file (`test-1a2b3c`), so two files called test.jsonl
-in different folders never overwrite each other's results.
+in different folders never overwrite each other's results. One eval.py at a time writes a folder
+(it is locked, as a training run's), and a folder holds one model's results: another model's there
+are refused (give it another --output-dir); the same model's are replaced by a run without
+--resume, which says so.
 
 --resume keeps the rows already in <benchmark>.<tag>.jsonl (same problem and gold at the same
 position) and generates only the rest. Mixing rows made with other settings would make one score of
@@ -55,6 +58,7 @@ version (--seed, --gen-batch-size, --dtype and --device may change).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -695,7 +699,37 @@ def check_writable(out_dir: Path) -> None:
         raise UserError(f"cannot {verb} --output-dir {out_dir}: {why}") from None
 
 
+def check_replace(out_dir: Path, labels: list[str], tag: str, settings: dict, resume: bool):
+    """An --output-dir holds one model's results. Another model's there are refused: its files
+    would be replaced (same benchmark) or sit beside this one's as if one evaluation. Results of
+    the same model that a run without --resume starts over are replaced, and that is said."""
+    for path in sorted(out_dir.glob("*.json")):
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not (isinstance(old, dict) and "benchmark" in old and "model" in old):
+            continue  # not a results file
+        other = model_id(str(old["model"]))
+        if other != settings["model"]:
+            raise UserError(
+                f"--output-dir {out_dir} holds results of another model ({other}, in "
+                f"{path.name}); give another --output-dir (unset, each model gets its own, "
+                f"runs/eval/<model-name>/)"
+            )
+    for label in labels if not resume else []:
+        samples = out_dir / f"{label}.{tag}.jsonl"
+        if samples.is_file() and samples.stat().st_size:
+            print(f"{label}: replacing the earlier results in {out_dir} (--resume keeps them)")
+
+
 def evaluate(args: Args) -> list[dict]:
+    """Score the model on each benchmark; its --output-dir is locked while eval.py writes it."""
+    with contextlib.ExitStack() as held:  # the lock is released however the evaluation ends
+        return _evaluate(args, held)
+
+
+def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
     model_path = resolve_model_name(args.model)
     tiny = is_tiny(model_path)
     names = [
@@ -768,13 +802,17 @@ def evaluate(args: Args) -> list[dict]:
     if twice is not None:
         raise UserError(f"--benchmarks names {twice} twice")
     tag = "greedy" if greedy else f"n{args.n}-t{args.temperature:g}-p{args.top_p:g}"
-    if args.resume:  # all benchmarks are checked before the first one generates, not an hour in
-        for label in labels:
-            check_resume(out_dir / f"{label}.{tag}", settings)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --output-dir {out_dir}: {first_line(e)}") from None
+    lock = harness.lock_run_folder(out_dir, "--output-dir", "--output-dir")  # one eval.py at a time
+    if lock is not None:
+        held.callback(lock.close)
+    if args.resume:  # all benchmarks are checked before the first one generates, not an hour in
+        for label in labels:
+            check_resume(out_dir / f"{label}.{tag}", settings)
+    check_replace(out_dir, labels, tag, settings, args.resume)
 
     model, tok = load_model(model_path, device, dtype, args.trust_remote_code)
     stop_ids = stop_token_ids(tok, model)

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -294,14 +295,15 @@ def load_trainer_state(ckpt: Path, name: str = "trainer_state.pt") -> dict:
 # =====================================================================================
 # The run folder: a lock for the life of a run, and what counts as a run already started
 # =====================================================================================
-def lock_run_folder(run_dir: Path):
+def lock_run_folder(run_dir: Path, what: str = "run folder", other: str = "--run-name"):
     """An exclusive lock on run_dir/.lock, held until the run closes (the system drops it if the
-    process dies). A second process on the same folder gets one line naming the first."""
+    process dies). A second process on the same folder gets one line naming the first; `what`
+    the folder is and which `other` flag picks another (eval.py's --output-dir)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
         return None
-    with writing("the run folder's lock file", run_dir):
+    with writing(f"the {what}'s lock file", run_dir):
         f = open(run_dir / ".lock", "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -310,8 +312,8 @@ def lock_run_folder(run_dir: Path):
         holder = f.read().strip() or "another process"
         f.close()
         raise UserError(
-            f"run folder {str(run_dir)!r} is in use by {holder}; wait for it to end or "
-            f"stop it, or give another --run-name"
+            f"{what} {str(run_dir)!r} is in use by {holder}; wait for it to end or "
+            f"stop it, or give another {other}"
         ) from None
     f.seek(0)
     f.truncate()
@@ -341,10 +343,40 @@ def started(run_dir: Path) -> bool:
     )
 
 
+KINDS = {float: "a number", int: "a whole number", bool: "true or false", str: "a string"}
+
+
+def check_saved(args, source: Path) -> None:
+    """The saved flags of a run (its args.json, or a checkpoint's trainer_state.pt) typed as the
+    command line types them: a hand-edited "lr": "1e-5" is one line naming the field and the file,
+    not a TypeError deep in the checks. An int stands for a float, as in --lr 1. The range checks
+    follow, the command line's own (resolve)."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        v, types = getattr(args, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if isinstance(v, int) and not isinstance(v, bool) and float in types and int not in types:
+            setattr(args, f.name, v := float(v))
+        ok = type(v) in types  # bool is an int, but not for a flag
+        choices = f.metadata.get("choices")
+        if not ok or (choices and v not in choices):
+            kind = f"one of {', '.join(choices)}" if ok else KINDS[types[0]]
+            raise UserError(f"{source}: {f.name} must be {kind}, not {v!r}")
+
+
 def whole_checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoint folders, newest first."""
     whole = [p for p in Path(run_dir).glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
     return sorted(whole, key=_step_of, reverse=True)
+
+
+def last_saved(run_dir: Path) -> str:
+    """For the one line of a run that stops: the checkpoint --resume would take (whole: only whole
+    ones are found), or that there is none."""
+    try:
+        ckpt = find_checkpoint(run_dir)
+    except UserError:
+        return "no checkpoint was saved before it"
+    return f"the last checkpoint saved, whole, is {ckpt} (step {_step_of(ckpt)})"
 
 
 def unsaved(path: Path) -> bool:
@@ -368,11 +400,11 @@ class Run:
     stopped before its first checkpoint starts again from step 0, and one already at --steps
     trains nothing and says so (exit 0). The folder is locked for the life of the run. The
     first Ctrl-C or SIGTERM finishes the step, saves, and exits (130 / 143); a second Ctrl-C
-    stops at once."""
+    stops at once, in one line, leaving the checkpoint on disk whole."""
 
     def __init__(self, args, algo: str, resolve):
         self.algo, self.ckpt, self.state, self.lock = algo, None, None, None
-        self.logger, self.bar, self._previous = None, None, {}
+        self.logger, self.bar, self._previous, self.saving = None, None, {}, None
         _ACTIVE_RUNS.append(self)
         try:
             self._open(args, resolve)
@@ -407,6 +439,7 @@ class Run:
                 raise UserError(
                     f"{what} {str(where)!r} was not written by {algo}.py (its arguments differ)"
                 ) from None
+            check_saved(saved, where / ("args.json" if restart else "trainer_state.pt"))
             changed = changed_flags(args, saved, type(args)())
             if changed:
                 raise UserError(
@@ -604,8 +637,7 @@ class Run:
             if not all(torch.isfinite(p).all() for p in model.parameters()):
                 raise UserError(
                     f"the weights of {name or 'the policy'} are not finite at step "
-                    f"{step}; not saved (the last good checkpoint is kept in "
-                    f"{self.dir})"
+                    f"{step}; not saved; {last_saved(self.dir)}"
                 )
         small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
         big = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" in k}
@@ -615,7 +647,8 @@ class Run:
             "args": dataclasses.asdict(self.args),
             **small,
         }
-        return save_checkpoint(
+        self.saving = step  # for the line of a second Ctrl-C
+        path = save_checkpoint(
             self.dir,
             step,
             self.models,
@@ -624,6 +657,8 @@ class Run:
             big,
             self.args.keep_checkpoints,
         )
+        self.saving = None
+        return path
 
     def write_samples(
         self, step: int, tokenizer, batch: dict, rewards, advantages, per_token: dict, k: int = 4
@@ -675,6 +710,30 @@ class Run:
             )
         return summary
 
+    # --- a stop that is no UserError -------------------------------------------------------
+    def blew_up(self) -> str:
+        """The line for a policy whose sampling met inf / nan probabilities (torch.multinomial's
+        RuntimeError): its weights, finite when saved, have grown past what softmax can take."""
+        step = self.bar.n + 1 if self.bar is not None else 0  # the bar counts the steps done
+        return (
+            f"the policy blew up at step {step}: its next-token probabilities are inf or nan, "
+            f"as a too high learning rate makes them (--lr {self.args.lr:g}); "
+            f"{last_saved(self.dir)}; start a new run with a lower --lr"
+        )
+
+    def interrupted(self) -> str:
+        """The line for a second Ctrl-C, which may land in the middle of a save: what that save
+        left half-done is cleaned as --resume would clean it, and the checkpoint it resumes from,
+        whole, is named."""
+        with contextlib.suppress(OSError):
+            clean_leftovers(self.dir)
+        during = f" while saving checkpoint-{self.saving}" if self.saving is not None else ""
+        then = "start it again from step 0" if unsaved(self.dir) else "continue"
+        return (
+            f"stopped by a second Ctrl-C{during}: {last_saved(self.dir)}; {then} with: "
+            f"python {self.algo}.py --resume {self.dir}"
+        )
+
     def close(self) -> None:
         if self not in _ACTIVE_RUNS:
             return
@@ -689,15 +748,32 @@ class Run:
             self.lock.close()  # releases the lock
 
 
+def _blown_up(e: BaseException) -> bool:
+    """torch.multinomial's error for inf, nan or negative probabilities: sampling from a model
+    whose logits are no longer finite."""
+    return isinstance(e, RuntimeError) and "probability tensor contains either" in str(e)
+
+
 @contextlib.contextmanager
 def user_errors():
-    """Around a script's main: a UserError is one line on stderr and exit code 2, and whatever
-    happens, open runs close (log files, signal handlers, the folder's lock)."""
+    """Around a script's main: a UserError is one line on stderr and exit code 2, and so is a
+    policy that blew up in a run; a second Ctrl-C in a run is one line and exit code 130.
+    Whatever happens, open runs close (log files, signal handlers, the folder's lock)."""
     try:
         yield
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
         raise SystemExit(2) from None
+    except RuntimeError as e:
+        if not (_blown_up(e) and _ACTIVE_RUNS):
+            raise
+        print("error: " + _ACTIVE_RUNS[-1].blew_up(), file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        if not _ACTIVE_RUNS:
+            raise
+        print(_ACTIVE_RUNS[-1].interrupted(), file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         for run in list(_ACTIVE_RUNS):
             run.close()

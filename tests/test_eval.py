@@ -665,12 +665,13 @@ def test_resume_refuses_other_settings(
 ):
     monkeypatch.setattr(ev, "generate", constant_generate())
     assert ev.main(tiny_argv(model_dir, tmp_path, *first)) == 0
-    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    before = {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != ".lock"}
     capsys.readouterr()
     err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, *second, "--resume"))
     assert err.startswith("error: --resume: ") and needle in err, err
     assert str(tmp_path / "tiny.greedy.jsonl") in err
-    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # nothing touched
+    # nothing touched (the lock file names the last process that held the folder)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != ".lock"} == before
 
 
 def test_resume_refuses_another_model(model_dir, tmp_path, monkeypatch, one_line_error):
@@ -1159,3 +1160,41 @@ def test_answer_extractions_come_from_the_one_list_in_common(model_dir, tmp_path
         ev.evaluate(
             ev.Args(model=str(model_dir), answer_extraction="math_verify", output_dir=str(tmp_path))
         )
+
+
+def test_one_output_dir_holds_one_evaluation_at_a_time_and_one_model(
+    model_dir, tmp_path, monkeypatch, capsys, one_line_error
+):
+    """Two eval.py at once into one --output-dir interleaved their rows (918 for 500 problems
+    under a summary of 500), and a second model's evaluation replaced the first's results without
+    a word. Now the folder is locked while eval.py writes it, another model's results there are
+    refused (its own folder keeps both), and replacing the same model's results is said."""
+    import harness
+
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    out = tmp_path / "out"
+    out.mkdir()
+    held = harness.lock_run_folder(out, "--output-dir", "--output-dir")  # as another eval.py
+    try:
+        err = one_line_error(ev.main, tiny_argv(model_dir, out))
+    finally:
+        held.close()
+    assert f"--output-dir '{out}' is in use by process {os.getpid()}" in err, err
+    assert "give another --output-dir" in err and not (out / "tiny.greedy.jsonl").exists()
+    assert ev.main(tiny_argv(model_dir, out)) == 0  # free again: the first evaluation
+    before = {p.name: p.read_text() for p in out.iterdir() if p.name != ".lock"}
+
+    other = tmp_path / "other-model"
+    shutil.copytree(model_dir, other)
+    err = one_line_error(ev.main, tiny_argv(other, out))
+    assert err.startswith(f"error: --output-dir {out} holds results of another model"), err
+    assert str(Path(model_dir).resolve()) in err and "tiny.greedy.json" in err, err
+    assert {p.name: p.read_text() for p in out.iterdir() if p.name != ".lock"} == before
+    capsys.readouterr()
+    assert (
+        ev.main(tiny_argv(model_dir, out)) == 0
+    )  # the same model again: it starts over, and says so
+    assert f"tiny: replacing the earlier results in {out} (--resume keeps them)" in (
+        capsys.readouterr().out
+    )
+    assert len(read_jsonl(out / "tiny.greedy.jsonl")) == 16

@@ -127,6 +127,25 @@ def test_non_finite_weights_are_never_saved(tmp_path, tiny_dir):
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
+def test_a_policy_that_blows_up_is_one_line_naming_the_last_checkpoint(tmp_path, capsys):
+    """--lr 1e30: the first update leaves finite weights (saved), too large for softmax, so the next
+    rollout's sampling met inf / nan probabilities: a RuntimeError from torch.multinomial, in a
+    traceback. Now one line: the cause, the step, the last checkpoint saved."""
+    import grpo
+
+    argv = ["--steps", "4", "--save-every", "1", "--lr", "1e30", "--output-dir", str(tmp_path)]
+    err = _error_of(grpo, capsys, [*argv, "--run-name", "b", *SMALL])
+    last = harness.find_checkpoint(tmp_path / "b")
+    step = harness.load_trainer_state(last)["step"]
+    assert err.startswith(f"error: the policy blew up at step {step + 1}: "), err
+    assert "next-token probabilities are inf or nan" in err and "--lr 1e+30" in err, err
+    assert f"the last checkpoint saved, whole, is {last} (step {step})" in err, err
+    # any other RuntimeError is no blow-up, and keeps its traceback
+    with pytest.raises(RuntimeError, match="probability"):
+        with harness.user_errors():
+            raise RuntimeError("probability of something else")
+
+
 def test_logger_keeps_small_floats_and_writes_null_for_nan(tmp_path):
     log = harness.RunLogger(tmp_path, tensorboard=False)
     log.log(1, {"lr": 5e-7, "x": float("nan"), "y": float("inf"), "n": 3, "z": 0.123456789})

@@ -5,6 +5,7 @@ without its tokenizer files. Each is one line, and no work is lost."""
 import errno
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -270,10 +271,10 @@ def test_a_folder_without_tokenizer_files_is_one_line(
 # =====================================================================================
 # --resume in the cases a careful user still met: no dead end, no traceback, no silent no-op
 # =====================================================================================
-def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys, one_line_error):
-    argv = [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
+def _stopped_before_its_first_checkpoint(argv):
+    """grpo.main(argv), stopped as by a kill -9 after step 1 is logged, before any save."""
 
-    def killed(run, step, metrics):  # as a kill -9 after step 1 is logged, before any save
+    def killed(run, step, metrics):
         raise RuntimeError("killed")
 
     harness.STEP_HOOKS.append(killed)
@@ -282,6 +283,11 @@ def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, caps
             grpo.main(argv)
     finally:
         harness.STEP_HOOKS.remove(killed)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys, one_line_error):
+    argv = [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
+    _stopped_before_its_first_checkpoint(argv)
     run = tmp_path / "k"
     assert [r["step"] for r in harness.read_metrics(run)] == [1]
     assert not list(run.glob("checkpoint-*"))
@@ -398,3 +404,81 @@ def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(
     assert harness.find_checkpoint(run).name == "checkpoint-2"
     assert tasks.damaged_weights(run / "checkpoint-2") is None
     assert [r["step"] for r in harness.read_metrics(run)] == [1, 2]
+
+
+def test_hand_edited_saved_flags_are_checked_as_the_command_line(tmp_path, one_line_error):
+    """--resume reads the saved flags (args.json of a run stopped before its first checkpoint, or
+    a checkpoint's trainer_state.pt): a value of the wrong type ("lr": "1e-5") ended in
+    `TypeError: must be real number, not str` deep in the checks. Now one line naming the field."""
+    _stopped_before_its_first_checkpoint(
+        [*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "e"]
+    )
+    saved = tmp_path / "e" / "args.json"  # and no checkpoint: --resume reads it
+    good = json.loads(saved.read_text())
+    for field, value, needle in (
+        ("lr", "1e-5", "lr must be a number, not '1e-5'"),
+        ("steps", 2.5, "steps must be a whole number, not 2.5"),
+        ("steps", True, "steps must be a whole number, not True"),
+        ("tensorboard", "no", "tensorboard must be true or false, not 'no'"),
+        ("model", None, "model must be a string, not None"),
+        ("optim", "sgd", "optim must be one of adamw, adamw8bit, not 'sgd'"),
+        ("lr", -1, "--lr must be > 0, not -1"),  # then the command line's range checks
+    ):
+        saved.write_text(json.dumps({**good, field: value}))
+        err = one_line_error(grpo.main, ["--resume", str(tmp_path / "e")])
+        assert needle in err, err
+        if field != "lr" or value != -1:
+            assert err.startswith(f"error: {saved}: "), err
+    saved.write_text(json.dumps({**good, "lr": 1}))  # an int for a float, as --lr 1 is
+    grpo.main(["--resume", str(tmp_path / "e")])
+    assert harness.load_trainer_state(harness.find_checkpoint(tmp_path / "e"))["args"]["lr"] == 1.0
+
+
+@pytest.mark.parametrize("at", [2, 1])
+def test_a_second_ctrl_c_while_saving_is_one_line_and_the_checkpoint_stays_whole(
+    at, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C, then Ctrl-C again while checkpoint-<at> is being written: the process stops at
+    once (exit 130) with one line, not a KeyboardInterrupt traceback; the checkpoint before it is
+    whole (or there is none yet), `latest` names it, nothing half-written is left, and --resume
+    goes on from it (from step 0 when there is none)."""
+    argv = [*FAST, "--steps", "3", "--save-every", "1", "--output-dir", str(tmp_path)]
+    run = tmp_path / "c"
+    real_save = torch.save
+
+    def interrupted(obj, f, *a, **k):  # the user's two Ctrl-C, half-way through checkpoint-<at>
+        if str(f).endswith("trainer_state.pt") and obj["step"] == at:
+            Path(f).write_bytes(b"\0" * 10)
+            signal.raise_signal(signal.SIGINT)  # the first: finish the step and save
+            signal.raise_signal(signal.SIGINT)  # the second: stop now
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    try:
+        grpo.main([*argv, "--run-name", "c"])
+    except KeyboardInterrupt:
+        pytest.fail("a second Ctrl-C while saving ended in a KeyboardInterrupt traceback")
+    except SystemExit as e:
+        code = e.code
+    else:
+        pytest.fail("the run went on after two Ctrl-C")
+    assert code == 130
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    saved = (
+        f"the last checkpoint saved, whole, is {run / 'checkpoint-1'} (step 1); continue"
+        if at == 2
+        else "no checkpoint was saved before it; start it again from step 0"
+    )
+    assert last == (
+        f"stopped by a second Ctrl-C while saving checkpoint-{at}: {saved} with: "
+        f"python grpo.py --resume {run}"
+    ), last
+    assert at == 1 or (run / "latest").read_text().strip() == "checkpoint-1"
+    assert not list(run.glob(".tmp-*")) and not list(run.glob(".trash-*"))
+    assert not (run / f"checkpoint-{at}").exists()
+    monkeypatch.setattr(torch, "save", real_save)
+    grpo.main(["--resume", str(run)])
+    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2, 3]
+    assert harness.find_checkpoint(run).name == "checkpoint-3"

@@ -261,3 +261,19 @@ def test_short_seeded_lora_run_learns(tmp_path):
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 80
     assert last >= first + 0.07, (first, last)
+
+
+def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):
+    """An output path that is a file ended in NotADirectoryError from iterdir(); one line now,
+    before any model loads, and the file is left alone."""
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    (ckpt / "adapter_config.json").write_text("{}")  # enough: the output is checked first
+    out = tmp_path / "merged.safetensors"
+    out.write_text("keep me")
+    with pytest.raises(SystemExit) as e:
+        export_merged.main([str(ckpt), str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.strip() == f"error: {out} is a file, not a folder: pick a new folder", err
+    assert out.read_text() == "keep me"

@@ -35,6 +35,8 @@ def export_merged(checkpoint: str, out: str) -> Path:
             f"{ckpt} holds no LoRA adapters (no adapter_config.json): it is already a "
             f"plain model folder"
         )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} is a file, not a folder: pick a new folder")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"{out_dir} exists and is not empty: pick another folder")
     try:
