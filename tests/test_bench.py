@@ -39,6 +39,7 @@ def test_smoke_cli(tmp_path):
         "--warmup",
         "0",
         "--no-trl",
+        "--no-threads-check",
         "--scripts",
         "grpo",
         "--prompts-per-step",
@@ -387,3 +388,39 @@ def test_trl_comparison_matches_the_work():
     text = bench.trl_report(c, "1.16.0")
     assert "work matched: yes" in text
     assert "project/TRL step time: " in text and "(median over 2 interleaved steps)" in text
+
+
+# =====================================================================================
+# Threads: quiet and beside a busy core
+# =====================================================================================
+def test_step_seconds_times_a_fresh_process_of_the_script():
+    secs = bench.step_seconds(
+        [sys.executable, str(ROOT / "grpo.py"), "--steps", "3", "--eval-dataset", "none",
+         "--prompts-per-step", "2", "--group-size", "2", "--tensorboard", "false"],
+        threads=1, wait="passive", busy=False,
+    )  # fmt: skip
+    assert len(secs) == 2 and all(s > 0 for s in secs)  # the first step is the warm-up
+
+
+def test_a_busy_core_is_busy_while_it_is_held():
+    import time
+
+    t0 = time.process_time()
+    with bench.busy_core(True):
+        time.sleep(0.5)
+    assert time.process_time() - t0 < 0.2  # the spinning is another process's, and it stopped
+
+
+def test_threads_report_table(monkeypatch):
+    seen = []
+
+    def fake(cmd, threads, wait, busy):
+        seen.append((threads, wait, busy))
+        return [2.0 if busy and wait == "active" else 1.0]
+
+    monkeypatch.setattr(bench, "step_seconds", fake)
+    args = bench.Args(threads_steps=2)
+    text = bench.threads_report(args)
+    assert "| tiny default | 2, active | 1.00 | 2.00 | 2.0x |" in text
+    assert "| tiny default | 1, passive | 1.00 | 1.00 | 1.0x |" in text
+    assert len(seen) == 2 * len(bench.THREAD_SETTINGS)

@@ -112,6 +112,15 @@ class Args:
         "into matrix multiplies, attention, other ops and Python (0 skips)",
     )
     estimate_only: bool = arg(False, "only print the real run's estimated throughput, and exit")
+    no_threads_check: bool = arg(
+        False, "skip timing the tiny default (tepo.py) with 1 and 2 threads, quiet and busy"
+    )
+    threads_steps: int = arg(6, "threads check: timed steps of each run, after one warm-up step")
+    threads_model: str | None = arg(
+        None,
+        "threads check: also time the cpu preset on this local model folder "
+        "(e.g. models/SmolLM2-135M-Instruct; 2 timed steps a setting, minutes each)",
+    )
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -157,8 +166,12 @@ def check(args: Args) -> None:
             f"--trl-steps must be at least 1, not {args.trl_steps}": args.trl_steps is None
             or args.trl_steps >= 1,
             f"--curve-script must be one of {', '.join(SCRIPTS)}": args.curve_script in SCRIPTS,
+            f"--threads-steps must be at least 1, not {args.threads_steps}": args.threads_steps
+            >= 1,
         },
     )
+    if args.threads_model and not (Path(args.threads_model) / "config.json").is_file():
+        raise UserError(f"--threads-model {args.threads_model}: no model folder (config.json)")
     resolve_scripts(args.scripts)
     if not args.no_curves and not script_available(args.curve_script):
         raise UserError(f"--curve-script {args.curve_script}: its file does not define train()")
@@ -1179,6 +1192,80 @@ def estimate_report() -> str:
 # =====================================================================================
 # Main
 # =====================================================================================
+# =====================================================================================
+# Threads: a fresh process per setting, quiet and beside one busy core
+# =====================================================================================
+# (threads, OpenMP wait policy): libgomp's default lets idle threads spin at each barrier, so a
+# thread that another job has descheduled stalls the others; passive lets them sleep
+THREAD_SETTINGS = ((1, "passive"), (2, "active"), (2, "passive"))
+
+
+@contextlib.contextmanager
+def busy_core(busy: bool):
+    """A process that keeps one core busy (a spinning loop), as another job on a laptop would."""
+    if not busy:
+        yield
+        return
+    import subprocess
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1.0)  # let it take its core
+        yield
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def step_seconds(cmd: list[str], threads: int, wait: str, busy: bool) -> list[float]:
+    """time/step of each step after the first, of one run of `cmd` in a fresh process."""
+    import subprocess
+
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "OMP_WAIT_POLICY": wait,
+        "HF_HUB_OFFLINE": "1",
+    }
+    with tempfile.TemporaryDirectory() as tmp, busy_core(busy):
+        done = subprocess.run(
+            [*cmd, "--output-dir", tmp, "--run-name", "t"], env=env, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-3:])
+            raise UserError(f"{' '.join(cmd[1:3])} failed (exit {done.returncode}): {tail}")
+        rows = harness.read_metrics(Path(tmp) / "t")
+    return [r["time/step"] for r in rows if "time/step" in r][1:]
+
+
+def threads_report(args: Args) -> str:
+    """The tiny default's step (tepo.py, the README's first command), and the cpu preset's on
+    --threads-model, with each THREAD_SETTINGS, quiet and beside one busy core: median seconds
+    per step. Quiet means nothing else runs; the figures are only as quiet as the machine."""
+    runs = [("tiny default", [sys.executable, str(ROOT / "tepo.py")], args.threads_steps + 1)]
+    if args.threads_model:
+        cpu = [sys.executable, str(ROOT / "tepo.py"), "--model", args.threads_model]
+        runs.append(("cpu preset, " + Path(args.threads_model).name, [*cpu, "--device", "cpu"], 3))
+    lines = [
+        "| run | threads, wait | quiet, s/step | beside a busy core, s/step | busy / quiet |",
+        "|---|---|---|---|---|",
+    ]
+    for name, cmd, steps in runs:
+        flags = ["--steps", str(steps), "--eval-dataset", "none", "--sample-every", "100000"]
+        flags += ["--save-every", "100000", "--tensorboard", "false"]
+        for threads, wait in THREAD_SETTINGS:
+            print(f"threads check: {name}, {threads} thread(s), {wait} wait", flush=True)
+            quiet, busy = (
+                statistics.median(step_seconds([*cmd, *flags], threads, wait, b))
+                for b in (False, True)
+            )
+            lines.append(
+                f"| {name} | {threads}, {wait} | {quiet:.2f} | {busy:.2f} | {busy / quiet:.1f}x |"
+            )
+    return "\n".join(lines)
+
+
 def run(args: Args) -> dict:
     check(args)
     if args.estimate_only:
@@ -1270,7 +1357,13 @@ def run(args: Args) -> dict:
         ]
         md.append("")
 
-    # 4. The real run, estimated
+    # 4. Threads: the scripts' step with 1 and 2 torch threads, quiet and beside a busy core
+    if not args.no_threads_check:
+        report = threads_report(args)
+        print("\n" + report + "\n")
+        md += ["## Threads, quiet and beside a busy core", "", report, ""]
+
+    # 5. The real run, estimated
     estimate = estimate_report()
     print(estimate)
     md += ["## The real run (estimate, not measured on a GPU)", "", estimate, ""]
