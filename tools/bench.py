@@ -70,7 +70,6 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 import harness  # noqa: E402
-import tasks  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
@@ -701,7 +700,7 @@ def compare_with_trl(args: Args, steps: int) -> dict:
         warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 on transformers 5's renames
         cfg = GRPOConfig(**trl_config_kwargs(a, tmp, args.warmup + steps))
         trainer = GRPOTrainer(
-            model=tasks.resolve_model_name(a.model),
+            model=common.resolve_model_name(a.model),
             reward_funcs=boxed_reward,
             args=cfg,
             train_dataset=dataset,
