@@ -8,8 +8,9 @@ A reader of an algorithm script never needs this file to see what is learned. It
 README's promises: a run folder is locked while a run writes it; a run is never lost (whole
 checkpoints, renamed into place, then pointed to by `latest`; Ctrl-C / SIGTERM finish the step
 and save); --resume is exact; every failure a user can meet is one line, not a traceback.
-What only the harness uses lives here too: the checks of a --resume (flags changed, saved flags
-of the wrong type, weights cut short), the RNG state a checkpoint holds, the samples' HTML page.
+Here too, since no algorithm script reads them: the checks of a --resume (flags changed, saved
+flags of the wrong type, weights cut short: eval.py checks a model's weights with the same), the
+RNG state a checkpoint holds, the samples' HTML page.
 """
 
 from __future__ import annotations
