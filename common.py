@@ -1,21 +1,22 @@
 """The small utility module the scripts share: what a reader of grpo.py ... sapo.py needs at hand.
 
-Arguments (a dataclass per script, every flag checked before anything loads), seeding and
-devices, model names, the optimizer and its guarded step, per-micro-batch statistics and the
-seconds of each phase of a step. Nothing here is RL: rollouts, rewards, advantages, losses and
-the training loop are written out in each script, on purpose. What the model is asked and how
-it is graded lives in tasks.py; the run folder, checkpoints and logging in harness.py.
+The run's flags (a dataclass per script, every flag checked before anything loads) and the
+presets that fill those left unset; model names and model folders; seeding and devices; the
+optimizer and its guarded step; per-micro-batch statistics and the seconds of each phase of a
+step. Nothing here is RL: rollouts, rewards, advantages, losses and the training loop are
+written out in each script, on purpose. What the model is asked and how it is graded lives in
+tasks.py; the run folder, checkpoints, logging and samples in harness.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import random
 import sys
 import time
-from html import escape
 import typing
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def first_line(e: Exception) -> str:
 # Arguments: a dataclass per script, parsed by transformers' HfArgumentParser, checked up front
 # =====================================================================================
 ANSWER_EXTRACTIONS = ("boxed", "math_verify")  # what tasks.grade reads as the final answer
-PRESET_NAMES = ("tiny", "cpu", "gpu")
+PRESET_NAMES = ("tiny", "cpu", "gpu")  # PRESETS' names (below), for --preset
 # The flags a --resume may change, because they do not change what is learned.
 RESUMABLE = (
     "steps",
@@ -181,21 +182,6 @@ def check_finite(args) -> None:
             raise UserError(f"{flag(f.name)} must be a finite number, not {v}")
 
 
-def changed_flags(args, saved, defaults) -> list[str]:
-    """The flags given on a --resume (not at their defaults) that differ from the saved run's."""
-
-    def flag(k):
-        return "--" + k.replace("_", "-")
-
-    return [
-        f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
-        for k in (f.name for f in dataclasses.fields(args))
-        if k not in RESUMABLE
-        and getattr(args, k) != getattr(defaults, k)
-        and getattr(args, k) != getattr(saved, k)
-    ]
-
-
 def check_args(args, rules: dict[str, bool] | None = None) -> None:
     """Every flag is checked before anything loads: every float flag for finiteness, the common
     flags here by name; `rules` adds a script's own, as {"message if it fails": condition}."""
@@ -232,6 +218,212 @@ def check_args(args, rules: dict[str, bool] | None = None) -> None:
 
 
 # =====================================================================================
+# Presets: where a run's unset flags take their values
+# =====================================================================================
+# Where the flags left unset take their values: tiny, the bundled model; cpu, a real model on a
+# CPU (each value's reason: docs/real-models.md); gpu, the real run on one CUDA GPU. These are
+# GRPO's; a script changes only what its algorithm needs (presets()). lora_lr replaces lr under
+# --lora-rank: about 10x full fine-tuning's for real models (LoRA Without Regret, Thinking Machines
+# 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade). overlong_cache,
+# the length term in the reward (reward shaping, docs/study/PLAN-length.md), is off in all three;
+# dapo.py's reward is built on it and sets its own.
+PRESETS = {
+    "tiny": dict(
+        dataset="tiny",
+        template="tiny",
+        eval_dataset="tiny",
+        answer_extraction="boxed",
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=40,
+        steps=160,
+        lr=2e-4,
+        lora_lr=1e-3,
+        warmup_steps=4,
+        num_mini_batches=2,
+        micro_batch_size=64,
+        eval_every=40,
+        eval_n=256,
+        save_every=80,
+        overlong_cache=0,
+    ),
+    "cpu": dict(
+        dataset="words",
+        template="chat",
+        eval_dataset="words",
+        answer_extraction="math_verify",
+        lora_rank=16,
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=64,
+        steps=60,
+        lr=3e-5,
+        lora_lr=3e-4,
+        warmup_steps=2,
+        num_mini_batches=2,
+        micro_batch_size=16,
+        gen_batch_size=64,
+        eval_every=15,
+        eval_n=128,
+        save_every=15,
+        overlong_cache=0,
+    ),
+    "gpu": dict(
+        dataset="math",
+        template="qwen_math",
+        eval_dataset="math",
+        answer_extraction="boxed",
+        prompts_per_step=32,
+        group_size=8,
+        max_new_tokens=3000,
+        steps=500,
+        lr=1e-6,
+        lora_lr=1e-5,
+        warmup_steps=10,
+        num_mini_batches=4,
+        micro_batch_size=4,
+        gen_batch_size=64,
+        eval_every=50,
+        eval_n=500,
+        save_every=50,
+        overlong_cache=0,
+    ),
+}
+
+
+def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:
+    """The house's PRESETS with a script's changes: `every` in all three, or by preset name.
+
+    >>> presets(gpu=dict(num_mini_batches=8))["gpu"]["num_mini_batches"]
+    8
+    """
+    return {
+        name: {**base, **(every or {}), **changes.get(name, {})} for name, base in PRESETS.items()
+    }
+
+
+def apply_preset(args, presets: dict[str, dict], cuda: bool) -> None:
+    """Fill every field left at None from a script's preset: --preset, or by model and device
+    (auto: tiny for the bundled model and checkpoints of it, gpu for another model on CUDA, cpu
+    for another model on a CPU). A preset's lora_lr is its lr under --lora-rank."""
+    name = args.preset
+    if name == "auto":
+        name = "tiny" if is_tiny(args.model) else "gpu" if cuda else "cpu"
+    if name not in presets:
+        raise UserError(f"unknown --preset {args.preset!r}; choose from auto, {', '.join(presets)}")
+    args.preset, preset = name, dict(presets[name])
+    lora_lr, lora_rank = preset.pop("lora_lr"), preset.pop("lora_rank", 0)
+    args.lora_rank = lora_rank if args.lora_rank is None else args.lora_rank
+    if args.lora_rank:
+        preset["lr"] = lora_lr
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int = 2) -> None:
+    """What every script's resolve_args does first: the preset's values for the flags left unset
+    (apply_preset), bf16 and gradient checkpointing by default on CUDA only, the run's name, and
+    the batch's shape, checked with every common flag (check_args)."""
+    cuda = resolve_device(args.device).type == "cuda"
+    apply_preset(args, presets, cuda)
+    args.bf16 = cuda if args.bf16 is None else args.bf16
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = cuda
+    if args.run_name is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.run_name = f"{algo}-{Path(args.model).name}-s{args.seed}-{stamp}"
+    B = args.prompts_per_step * args.group_size
+    why = " (a group advantage needs 2 completions)" if min_group == 2 else ""
+    group_ok = args.group_size >= min_group
+    split_ok = args.num_mini_batches >= 1 and B % args.num_mini_batches == 0
+    group_rule = f"--group-size must be at least {min_group}{why}, not {args.group_size}"
+    split_rule = (
+        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches"
+    )
+    check_args(args, {group_rule: group_ok, split_rule: split_ok})
+
+
+# =====================================================================================
+# Model names and folders
+# =====================================================================================
+# Short names a user can type without the organisation, e.g. `--model Qwen2.5-Math-1.5B`.
+HUB_ORGS_BY_PREFIX = {
+    "Qwen": "Qwen",
+    "DeepSeek": "deepseek-ai",
+    "deepseek": "deepseek-ai",
+    "Llama": "meta-llama",
+    "OLMo": "allenai",
+    "SmolLM": "HuggingFaceTB",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+
+def resolve_model_name(name: str) -> str:
+    """'tiny' -> the bundled folder; an existing path -> itself; 'Qwen2.5-Math-1.5B' ->
+    'Qwen/Qwen2.5-Math-1.5B'; 'org/name' -> unchanged (a hub id)."""
+    if name == "tiny":
+        return str(TINY_MODEL_DIR)
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    if "/" in name:
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise UserError(f"model folder {name!r} does not exist")
+        return name
+    for prefix, org in HUB_ORGS_BY_PREFIX.items():
+        if name.startswith(prefix):
+            return f"{org}/{name}"
+    raise UserError(
+        f"unknown model {name!r}: give 'tiny', a local folder, a hub id such as "
+        f"'Qwen/Qwen2.5-Math-1.5B', or a short Qwen name such as 'Qwen2.5-Math-1.5B'"
+    )
+
+
+def check_model_folder(path: str) -> None:
+    """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer: without its
+    tokenizer files (a checkpoint copied without them) transformers loads an empty tokenizer and
+    fails deep in generate."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return  # a hub id: the hub's errors are turned into one line where it is loaded
+    if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
+        raise UserError(
+            f"model folder {path!r} has no config.json: is it a Hugging Face model folder?"
+        )
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(
+            f"model folder {path!r} has no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
+            f"trained from"
+        )
+
+
+def is_tiny(model_name: str) -> bool:
+    """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json):
+    both get the tiny presets."""
+    path = Path(resolve_model_name(model_name))
+    if (path / "adapter_config.json").is_file():  # a LoRA checkpoint: its base decides
+        adapter = json.loads((path / "adapter_config.json").read_text())
+        path = Path(adapter.get("base_model_name_or_path") or "")
+    if path.resolve() == TINY_MODEL_DIR.resolve():
+        return True
+    ref, cfg = TINY_MODEL_DIR / "config.json", path / "config.json"
+    if not (ref.is_file() and cfg.is_file()):
+        return False
+    a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
+    return all(
+        a.get(k) == b.get(k)
+        for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+    )
+
+
+# =====================================================================================
 # Seeding and devices
 # =====================================================================================
 def seed_everything(seed: int) -> None:
@@ -251,20 +443,6 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu",) and not name.startswith("cuda"):
         raise UserError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N")
     return torch.device(name)
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # =====================================================================================
@@ -360,55 +538,3 @@ def warn(msg: str) -> None:
     from tqdm import tqdm
 
     tqdm.write(f"warning: {msg}", file=sys.stderr)
-
-
-# =====================================================================================
-# Per-token HTML samples: one self-contained file, no network
-# =====================================================================================
-def _colour(v: float, lo: float, hi: float) -> str:
-    """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
-    if lo < 0 < hi:
-        s = v / max(abs(lo), abs(hi)) if v else 0.0
-        r, g, b = (
-            (255, int(255 * (1 - s)), int(255 * (1 - s)))
-            if s > 0
-            else (int(255 * (1 + s)),) * 2 + (255,)
-        )
-    else:
-        s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
-        r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
-    return f"rgb({r},{g},{b})"
-
-
-def token_html(title: str, rows: list[dict]) -> str:
-    """rows: {"header", "prompt", "tokens": [str], "values": {name: [float per token]}}. Each
-    token is a <span class="tok"> with data-<name> colours and a title listing every value."""
-    names = list(rows[0]["values"]) if rows else []
-    every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
-    ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
-    out = [
-        f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
-        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
-        ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
-        ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
-        f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
-        *[f"<option>{escape(n)}</option>" for n in names],
-        "</select> (hover a token for every value)</p>",
-    ]
-    for r in rows:
-        out.append(
-            f"<div class='sample'><b>{escape(r['header'])}</b>"
-            f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>"
-        )
-        for t, tok in enumerate(r["tokens"]):
-            vals = {n: r["values"][n][t] for n in names}
-            data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
-            tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
-            out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
-        out.append("</div></div>")
-    out.append(
-        "<script>function paint(){var q=document.getElementById('q').value;"
-        "document.querySelectorAll('.tok').forEach(function(e){"
-        "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>"
-    )
-    return "\n".join(out)

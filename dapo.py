@@ -62,7 +62,7 @@ class Args(common.RunArgs):
 
 
 # DAPO: L_cache by scale; the real run as the paper's, 16 prompts x 16, 20 warm-up steps
-PRESETS = tasks.presets(
+PRESETS = common.presets(
     tiny=dict(overlong_cache=8),
     cpu=dict(overlong_cache=16),
     gpu=dict(prompts_per_step=16, group_size=16, overlong_cache=600, warmup_steps=20),
@@ -72,7 +72,7 @@ PRESETS = tasks.presets(
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag left unset, then every flag checked."""
     cache_given = args.overlong_cache is not None
-    tasks.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
+    common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     if not cache_given and args.overlong_cache >= args.max_new_tokens:  # the preset's is too long
         args.overlong_cache = max(1, args.max_new_tokens // 5)
         print(
@@ -347,8 +347,8 @@ def train(args: Args) -> dict:
 # ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = tasks.resolve_model_name(name)
-    tasks.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
+    path = common.resolve_model_name(name)
+    common.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -370,9 +370,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
     script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
     ...) is replaced by a neutral one."""
-    path = tasks.resolve_model_name(name)
+    path = common.resolve_model_name(name)
     adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = tasks.resolve_model_name(args.model) if adapter else path
+    base = common.resolve_model_name(args.model) if adapter else path
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:

@@ -82,12 +82,12 @@ class Args(common.RunArgs):
     )
 
 
-PRESETS = tasks.presets()  # tiny, cpu, gpu: GRPO's
+PRESETS = common.presets()  # tiny, cpu, gpu: GRPO's
 
 
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag left unset, then every flag checked."""
-    tasks.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
+    common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     common.check_args(
         args,
         {
@@ -514,8 +514,8 @@ def train(args: Args) -> dict:
 # ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = tasks.resolve_model_name(name)
-    tasks.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
+    path = common.resolve_model_name(name)
+    common.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -537,9 +537,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
     script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
     ...) is replaced by a neutral one."""
-    path = tasks.resolve_model_name(name)
+    path = common.resolve_model_name(name)
     adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = tasks.resolve_model_name(args.model) if adapter else path
+    base = common.resolve_model_name(args.model) if adapter else path
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:

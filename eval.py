@@ -79,19 +79,19 @@ from tqdm import tqdm
 
 import common
 import harness
-from common import ROOT, TINY_MODEL_DIR, UserError, arg, first_line, resolve_device, seed_everything
-from grpo import completion_mask, decode_completions, eos_token_ids  # the scripts' own helpers
-from tasks import (
-    GENERATED,
-    TEMPLATES,
-    build_prompt,
+from common import (
+    ROOT,
+    TINY_MODEL_DIR,
+    UserError,
+    arg,
     check_model_folder,
-    damaged_weights,
-    grade,
+    first_line,
     is_tiny,
-    load_problems,
+    resolve_device,
     resolve_model_name,
+    seed_everything,
 )
+from tasks import GENERATED, TEMPLATES, build_prompt, grade, load_problems
 
 
 # =====================================================================================
@@ -300,7 +300,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
         else path
     )
     for folder in dict.fromkeys([path, base]):  # weights cut short: one line naming the file
-        damage = damaged_weights(Path(folder)) if Path(folder).is_dir() else None
+        damage = harness.damaged_weights(Path(folder)) if Path(folder).is_dir() else None
         if damage:
             raise UserError(f"cannot load model {path!r}: {damage}")
     try:
@@ -389,8 +389,41 @@ def load_adapters(model, path: str, base: str):
     return model.merge_and_unload()
 
 
+# ----- As the training scripts: their skeleton's functions, the same text (tests/test_skeleton.py)
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS, the model's (Qwen lists
+    <|endoftext|> and <|im_end|>), and <|im_end|> whenever the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B, T] -> [B, T] long: 1 up to and including the first EOS, 0 after. Built by position,
+    never by `token != pad`: Qwen base models pad with their EOS, and the EOS must be trained."""
+    eos = torch.tensor(eos_ids, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)  # [B, T]
+    T = completion_ids.shape[1]
+    no_eos = torch.full_like(is_eos[:, 0], T, dtype=torch.long)  # no EOS: valid to its end
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), no_eos)  # [B]: the first 1
+    positions = torch.arange(T, device=completion_ids.device)[None, :]  # [1, T]
+    return (positions <= first_eos[:, None]).long()
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Text of each completion up to its first EOS; what generate() padded after it is dropped."""
+    return [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(completion_ids.tolist(), mask.sum(1).tolist())
+    ]
+
+
 def stop_token_ids(tok, model) -> list[int]:
-    """Every id that ends a completion, as the training scripts stop on them (grpo.eos_token_ids):
+    """Every id that ends a completion, as the training scripts stop on them (eos_token_ids):
     Qwen2.5-Math ends text with <|endoftext|> and chat turns with <|im_end|>, and may emit
     either."""
     ids = eos_token_ids(model, tok)

@@ -8,6 +8,9 @@ A reader of an algorithm script never needs this file to see what is learned. It
 README's promises: a run folder is locked while a run writes it; a run is never lost (whole
 checkpoints, renamed into place, then pointed to by `latest`; Ctrl-C / SIGTERM finish the step
 and save); --resume is exact; every failure a user can meet is one line, not a traceback.
+Here too, since no algorithm script reads them: the checks of a --resume (flags changed, saved
+flags of the wrong type, weights cut short: eval.py checks a model's weights with the same), the
+RNG state a checkpoint holds, the samples' HTML page.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,24 +28,20 @@ import sys
 import threading
 import time
 import typing
+from html import escape
 from pathlib import Path
 
 import torch
-
-import tasks
 from tqdm import tqdm
 
 from common import (
     RESUMABLE,
     UserError,
-    changed_flags,
     first_line,
+    flag,
     reduce_stats,
     resolve_device,
-    rng_state,
     seed_everything,
-    set_rng_state,
-    token_html,
     warn,
 )
 
@@ -292,6 +292,53 @@ def load_trainer_state(ckpt: Path, name: str = "trainer_state.pt") -> dict:
         ) from None
 
 
+def _safetensors_end(path: Path) -> int | None:
+    """The size a safetensors file has when whole, read from its header; None if it has none."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n > path.stat().st_size - 8:
+                return None
+            header = json.loads(fh.read(n))
+        return (
+            8
+            + n
+            + max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
+        )
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def damaged_weights(folder: Path, recursive: bool = False) -> str | None:
+    """Why the safetensors weights in `folder` cannot be loaded whole (a file cut short by a copy,
+    a download or a disk that stopped), or None. Read from each file's header alone: it costs
+    nothing before a model loads, and spares the loader's traceback."""
+    folder = Path(folder)
+    for f in sorted(folder.rglob("*.safetensors") if recursive else folder.glob("*.safetensors")):
+        size, end = f.stat().st_size, _safetensors_end(f)
+        if end is None:
+            return f"the weights file {f} is cut short or is not safetensors ({size:,} bytes)"
+        if size < end:
+            return f"the weights file {f} is cut short ({size:,} of {end:,} bytes)"
+    return None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 # =====================================================================================
 # The run folder: a lock for the life of a run, and what counts as a run already started
 # =====================================================================================
@@ -363,6 +410,17 @@ def check_saved(args, source: Path) -> None:
             raise UserError(f"{source}: {f.name} must be {kind}, not {v!r}")
 
 
+def changed_flags(args, saved, defaults) -> list[str]:
+    """The flags given on a --resume (not at their defaults) that differ from the saved run's."""
+    return [
+        f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
+        for k in (f.name for f in dataclasses.fields(args))
+        if k not in RESUMABLE
+        and getattr(args, k) != getattr(defaults, k)
+        and getattr(args, k) != getattr(saved, k)
+    ]
+
+
 def whole_checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoint folders, newest first."""
     whole = [p for p in Path(run_dir).glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
@@ -388,6 +446,58 @@ def unsaved(path: Path) -> bool:
         and not (path / "latest").exists()
         and not whole_checkpoints(path)
     )
+
+
+# =====================================================================================
+# Per-token HTML samples: one self-contained file, no network
+# =====================================================================================
+def _colour(v: float, lo: float, hi: float) -> str:
+    """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
+    if lo < 0 < hi:
+        s = v / max(abs(lo), abs(hi)) if v else 0.0
+        r, g, b = (
+            (255, int(255 * (1 - s)), int(255 * (1 - s)))
+            if s > 0
+            else (int(255 * (1 + s)),) * 2 + (255,)
+        )
+    else:
+        s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
+        r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
+    return f"rgb({r},{g},{b})"
+
+
+def token_html(title: str, rows: list[dict]) -> str:
+    """rows: {"header", "prompt", "tokens": [str], "values": {name: [float per token]}}. Each
+    token is a <span class="tok"> with data-<name> colours and a title listing every value."""
+    names = list(rows[0]["values"]) if rows else []
+    every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
+    ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
+    out = [
+        f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+        ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
+        ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
+        f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
+        *[f"<option>{escape(n)}</option>" for n in names],
+        "</select> (hover a token for every value)</p>",
+    ]
+    for r in rows:
+        out.append(
+            f"<div class='sample'><b>{escape(r['header'])}</b>"
+            f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>"
+        )
+        for t, tok in enumerate(r["tokens"]):
+            vals = {n: r["values"][n][t] for n in names}
+            data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
+            tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
+            out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
+        out.append("</div></div>")
+    out.append(
+        "<script>function paint(){var q=document.getElementById('q').value;"
+        "document.querySelectorAll('.tok').forEach(function(e){"
+        "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>"
+    )
+    return "\n".join(out)
 
 
 # =====================================================================================
@@ -502,14 +612,12 @@ class Run:
     def _check_weights(self) -> None:
         """A checkpoint whose weights file is cut short is one line naming the file, and the
         newest earlier checkpoint of the run whose files are whole, to resume from instead."""
-        damage = tasks.damaged_weights(self.ckpt, recursive=True)
+        damage = damaged_weights(self.ckpt, recursive=True)
         if damage is None:
             return
         step = _step_of(self.ckpt)
         earlier = [p for p in whole_checkpoints(self.ckpt.parent) if _step_of(p) < step]
-        intact = next(
-            (p for p in earlier if tasks.damaged_weights(p, recursive=True) is None), None
-        )
+        intact = next((p for p in earlier if damaged_weights(p, recursive=True) is None), None)
         then = (
             f"the previous checkpoint, {intact}, is intact: continue from it with --resume {intact}"
             if intact

@@ -103,7 +103,7 @@ class Args(common.RunArgs):
 
 # SAPO: one completion per prompt, so as many prompts as the others' completions (the paper's
 # 512 ran on 8 GPUs); the critic's lr twice the policy's, as in the paper (Table 7)
-PRESETS = tasks.presets(
+PRESETS = common.presets(
     every=dict(group_size=1),
     tiny=dict(prompts_per_step=128, critic_lr=4e-4),
     cpu=dict(prompts_per_step=32, critic_lr=6e-5),
@@ -113,7 +113,7 @@ PRESETS = tasks.presets(
 
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag left unset, then every flag checked."""
-    tasks.resolve_run_args(args, ALGO, PRESETS, min_group=1)  # SAPO: a critic, no group
+    common.resolve_run_args(args, ALGO, PRESETS, min_group=1)  # SAPO: a critic, no group
     common.check_args(
         args,
         {
@@ -504,7 +504,7 @@ def load_critic(name: str, device: torch.device, args, tokenizer):
     (the first load, from a language model) starts at zero weight and bias (our reading;
     transformers would draw it at random): V = 0 at every state on step 1, so the first
     advantages are the whitened returns rather than the noise of a random head."""
-    path = tasks.resolve_model_name(name)
+    path = common.resolve_model_name(name)
     try:
         critic, info = AutoModelForTokenClassification.from_pretrained(
             path,
@@ -898,8 +898,8 @@ def train(args: Args) -> dict:
 # ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = tasks.resolve_model_name(name)
-    tasks.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
+    path = common.resolve_model_name(name)
+    common.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -921,9 +921,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
     script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
     ...) is replaced by a neutral one."""
-    path = tasks.resolve_model_name(name)
+    path = common.resolve_model_name(name)
     adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = tasks.resolve_model_name(args.model) if adapter else path
+    base = common.resolve_model_name(args.model) if adapter else path
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:

@@ -172,7 +172,7 @@ def parse(argv=None) -> tuple[ScriptArgs, TEPOConfig]:
     peek.add_argument("--model", default="tiny")
     model = peek.parse_known_args(argv)[0].model
     parser = HfArgumentParser((ScriptArgs, TEPOConfig))
-    tiny = tasks.is_tiny(model)
+    tiny = common.is_tiny(model)
     defaults = dict(TINY_DEFAULTS if tiny else REAL_DEFAULTS)
     defaults.setdefault("output_dir", f"runs/trl-tepo-{Path(model).name.lower()}")
     parser.set_defaults(**defaults)
@@ -230,7 +230,7 @@ def lora_config(script: ScriptArgs):
 
 def main(argv=None):
     script, cfg = parse(argv)
-    path = tasks.resolve_model_name(script.model)
+    path = common.resolve_model_name(script.model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -370,6 +370,24 @@ def test_real_run_estimate_on_a_toy_model():
     assert bench.real_run_estimate(P=32, G=8)["generate_calls"] == 4
 
 
+def test_the_estimate_asks_each_script_whether_it_loads_a_reference(monkeypatch):
+    """The memory table reads needs_reference from each script, not a table of its own: a script
+    that stops loading one gets the row of a script without one."""
+    import grpo
+
+    monkeypatch.setattr(grpo, "needs_reference", lambda args: False)
+    row = next(r for r in bench.estimate_report().splitlines() if r.startswith("| grpo | "))
+    full, lora = bench.memory_estimate(False, 0), bench.memory_estimate(False, 64)
+    assert f"**{full['peak'] / 1e9:.1f}** | " in row and f"**{lora['peak'] / 1e9:.1f}** | " in row
+    assert bench.memory_estimate(True, 0)["peak"] != full["peak"]  # it would have shown
+
+
+def test_one_script_available_for_every_tool():
+    from tools import study
+
+    assert bench.script_available is study.script_available
+
+
 # =====================================================================================
 # TRL's GRPOTrainer on grpo.py's work (skipped without TRL)
 # =====================================================================================

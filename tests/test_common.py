@@ -101,11 +101,11 @@ def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
 
 
 def test_resolve_model_names(tmp_path):
-    assert tasks.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
-    assert tasks.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
-    assert tasks.resolve_model_name(str(tmp_path)) == str(tmp_path)
-    assert tasks.is_tiny("tiny") and not tasks.is_tiny("Qwen2.5-Math-1.5B")
+    assert common.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert common.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert common.resolve_model_name(str(tmp_path)) == str(tmp_path)
+    assert common.is_tiny("tiny") and not common.is_tiny("Qwen2.5-Math-1.5B")
     with pytest.raises(common.UserError):
-        tasks.resolve_model_name("NoSuchThing")
+        common.resolve_model_name("NoSuchThing")
     with pytest.raises(common.UserError):
-        tasks.resolve_model_name("./missing/folder")
+        common.resolve_model_name("./missing/folder")

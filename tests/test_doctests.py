@@ -22,7 +22,7 @@ MODULES = [
     "tools.same_metrics",
 ]
 WITH_EXAMPLES = {
-    "tasks",
+    "common",
     "grpo",
     "dapo",
     "tepo",

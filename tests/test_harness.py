@@ -402,7 +402,7 @@ def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(
     assert f"{first}, is intact: continue from it with --resume {first}" in err
     grpo.main(["--resume", str(first), "--steps", "2"])  # as the error says
     assert harness.find_checkpoint(run).name == "checkpoint-2"
-    assert tasks.damaged_weights(run / "checkpoint-2") is None
+    assert harness.damaged_weights(run / "checkpoint-2") is None
     assert [r["step"] for r in harness.read_metrics(run)] == [1, 2]
 
 

@@ -1,8 +1,9 @@
 """The algorithm scripts repeat one skeleton on purpose, below one banner, so `diff grpo.py
 tepo.py` shows the algorithm and nothing else: that block must be the same text in every script.
 Above it each script holds its lesson (flags, reward, advantage, loss, train) and nothing of the
-skeleton's, in the pipeline's order: the loss before train(). No test counts lines: a file's
-length is for its reader to judge (lines stay within 100 columns: ruff, in CI)."""
+skeleton's, in the pipeline's order: the loss before train(). No script imports another: eval.py
+holds its own copy of the skeleton's functions it uses, the same text. No test counts lines: a
+file's length is for its reader to judge (lines stay within 100 columns: ruff, in CI)."""
 
 import ast
 from pathlib import Path
@@ -42,6 +43,8 @@ SKELETON = (
     "rollout_metrics",
     "main",
 )
+# the skeleton's functions eval.py uses, copied: the same text as in the scripts
+EVAL_SHARES = ("eos_token_ids", "completion_mask", "decode_completions")
 
 
 def split(script: str) -> tuple[str, str]:
@@ -49,6 +52,17 @@ def split(script: str) -> tuple[str, str]:
     assert text.count(BANNER) == 1, f"{script} must have the skeleton banner once"
     lesson, skeleton = text.split(BANNER)
     return lesson, skeleton
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports, wherever in the file."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            out.add(n.module.split(".")[0])
+    return out
 
 
 def defs(source: str) -> dict[str, int]:
@@ -70,6 +84,32 @@ def test_the_skeleton_is_one_block_the_same_in_every_script(script):
 
 def test_the_skeleton_holds_the_plumbing():
     assert set(SKELETON) <= set(defs(split("grpo.py")[1]))
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
+def test_no_script_imports_another(script):
+    others = {Path(s).stem for s in SCRIPTS + ("eval.py",) if s != script}
+    assert not imported_modules(ROOT / script) & others, f"{script} imports another script"
+
+
+def test_the_harness_imports_neither_the_task_nor_a_script():
+    # harness.py is the run's plumbing: what the model is asked (tasks.py) is no part of it
+    scripts = {Path(s).stem for s in SCRIPTS + ("eval.py",)}
+    assert not imported_modules(ROOT / "harness.py") & {"tasks", *scripts}
+
+
+@pytest.mark.parametrize("name", EVAL_SHARES)
+def test_eval_holds_the_skeletons_functions_it_uses_the_same_text(name):
+    def source(text: str) -> str | None:
+        tree = ast.parse(text)
+        node = next((n for n in tree.body if getattr(n, "name", None) == name), None)
+        return ast.get_source_segment(text, node) if node is not None else None
+
+    skeleton = source(split("grpo.py")[1])
+    assert skeleton is not None, f"{name} is no longer in the skeleton: update EVAL_SHARES"
+    assert source((ROOT / "eval.py").read_text()) == skeleton, (
+        f"eval.py's {name} differs from the skeleton's: it is the same function, the same text"
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

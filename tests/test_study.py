@@ -224,16 +224,21 @@ def test_configs_and_settings(tmp_path):
     for name in ("erpo", "sapo"):
         assert (name in default) == study.script_available(name)
     # candidates: only by --configs
-    assert "tepo-seq-gspo" not in default and "tepo-seq-ppo" not in default
-    assert study.resolve_configs("grpo,tepo-seq-gspo") == ["grpo", "tepo-seq-gspo"]
-    # PLAN.md's candidates with their clips spelled out, whatever tepo.py's default is
+    assert "tepo-seq-ppo" not in default
+    # PLAN.md's (b) is tepo.py's default, `tepo`: its old name, in the plans and the second
+    # study's data, reads as it
+    assert "tepo-seq-gspo" not in study.CONFIGS
+    assert study.resolve_configs("grpo,tepo-seq-gspo") == ["grpo", "tepo"]
+    assert study.resolve_runs("tepo-seq-gspo:6,dapo:6") == [("tepo", 6), ("dapo", 6)]
+    with pytest.raises(UserError, match="distinct"):
+        study.resolve_configs("tepo,tepo-seq-gspo")
+    # the other candidates with their clips spelled out, whatever tepo.py's default is
     assert study.CONFIGS["tepo-seq-ppo"] == ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"])
-    assert study.CONFIGS["tepo-seq-gspo"] == ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"])
     assert study.CONFIGS["tepo-token-ratio"] == (
         "tepo",
         ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"],
     )
-    assert study.CANDIDATES == ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
+    assert study.CANDIDATES == ("tepo-seq-ppo", "tepo", "tepo-token-ratio")
     assert study.resolve_seeds("3,1") == [3, 1]
     args = study.Args()
     study.check_same_settings(tmp_path, args, ["grpo"])
@@ -579,6 +584,24 @@ def test_claim_verdict_and_combine():
     assert study.combine_claim([]) == "inconclusive"
 
 
+def test_one_config_name_per_run():
+    """No two configs are one run: the same script with the same flags, once the script's own
+    defaults fill what a config leaves out."""
+    import dataclasses
+    import importlib
+
+    import common
+
+    seen = {}
+    for name, (script, flags) in study.CONFIGS.items():
+        if not study.script_available(script):
+            continue
+        args = common.parse_args(importlib.import_module(script).Args, flags)
+        run = (script, dataclasses.astuple(args))
+        assert run not in seen, f"configs {seen.get(run)!r} and {name!r} are one run"
+        seen[run] = name
+
+
 def _st(steps, acc=0.6):
     """Hand-made aggregate() entry: per-seed censored steps, final sampled accuracy acc."""
     acc = acc if isinstance(acc, list) else [acc] * len(steps)
@@ -593,13 +616,11 @@ def test_candidate_scores_take_the_larger_ratio():
         "grpo": _st([100, 200]),
         "dapo": _st([200, 100]),
         "tepo-seq-ppo": _st([20, 100]),
-        "tepo-seq-gspo": _st([70, 70]),
+        "tepo": _st([70, 70]),
         "tepo-token-ratio": _st([200, 200]),
     }
     scores = study.candidate_scores(stats)
-    assert scores == pytest.approx(
-        {"tepo-seq-ppo": 0.55, "tepo-seq-gspo": 0.525, "tepo-token-ratio": 1.5}
-    )
+    assert scores == pytest.approx({"tepo-seq-ppo": 0.55, "tepo": 0.525, "tepo-token-ratio": 1.5})
     assert study.candidate_scores({"grpo": _st([100]), "tepo-seq-ppo": _st([50])}) == {
         "tepo-seq-ppo": None
     }
@@ -609,44 +630,44 @@ BASE = {"grpo": _st([100, 100, 100]), "dapo": _st([100, 100, 100])}
 
 
 def test_pick_default_lowest_score_when_the_interval_excludes_0():
-    # scores: tepo 0.9, gspo 0.6, token 0.8; gspo - token = -30, -20, -10: CI [-30, -10], no 0.
+    # scores: (a) 0.9, (b) 0.6, (c) 0.8; (b) - (c) = -30, -20, -10: CI [-30, -10], no 0.
     # token's accuracy is far higher, but the accuracy does not decide here.
     stats = {
         **BASE,
         "tepo-seq-ppo": _st([90, 90, 90], 0.5),
-        "tepo-seq-gspo": _st([50, 60, 70], 0.5),
+        "tepo": _st([50, 60, 70], 0.5),
         "tepo-token-ratio": _st([80, 80, 80], 0.7),
     }
     name, why = study.pick_default(stats)
-    assert name == "tepo-seq-gspo", why
-    assert "tepo-seq-ppo 0.900, tepo-seq-gspo 0.600, tepo-token-ratio 0.800" in why
+    assert name == "tepo", why
+    assert "tepo-seq-ppo 0.900, tepo 0.600, tepo-token-ratio 0.800" in why
     assert "-20.0 [95% CI -30.0, -10.0] excludes 0" in why
 
 
 def test_pick_default_accuracy_decides_when_the_interval_contains_0():
-    # scores: gspo 0.7 (best), token 0.8, tepo 0.9; gspo - token = 0, -10, -20: the resampled
+    # scores: (b) 0.7 (best), (c) 0.8, (a) 0.9; (b) - (c) = 0, -10, -20: the resampled
     # mean is 0 only when all three draws are seed 1 (p 1/27 = 3.7% > 2.5%), so CI [-20, 0]
     # holds 0 at its end. Then token's accuracy, 0.05 higher, wins; tepo's, higher still, is not
     # one of the two best and does not count.
     stats = {
         **BASE,
         "tepo-seq-ppo": _st([90, 90, 90], 0.9),
-        "tepo-seq-gspo": _st([80, 70, 60], 0.5),
+        "tepo": _st([80, 70, 60], 0.5),
         "tepo-token-ratio": _st([80, 80, 80], 0.55),
     }
     name, why = study.pick_default(stats)
     assert name == "tepo-token-ratio", why
     assert "[95% CI -20.0, +0.0] contains 0" in why
-    assert "tepo-seq-gspo 0.500, tepo-token-ratio 0.550" in why
+    assert "tepo 0.500, tepo-token-ratio 0.550" in why
 
 
-def test_pick_default_tepo_stays_when_accuracies_are_within_0_01():
-    # scores: gspo 0.6, token 0.617, tepo 0.9 (last); gspo - token = -5, -5, +5: CI [-5, 5].
-    # Accuracies 0.60 and 0.61: within 0.01 (the end included), so (a) tepo stays, last or not.
+def test_pick_default_a_stays_when_accuracies_are_within_0_01():
+    # scores: (b) 0.6, (c) 0.617, (a) 0.9 (last); (b) - (c) = -5, -5, +5: CI [-5, 5].
+    # Accuracies 0.60 and 0.61: within 0.01 (the end included), so (a) stays, last or not.
     stats = {
         **BASE,
         "tepo-seq-ppo": _st([90, 90, 90], 0.9),
-        "tepo-seq-gspo": _st([50, 60, 70], 0.6),
+        "tepo": _st([50, 60, 70], 0.6),
         "tepo-token-ratio": _st([55, 65, 65], 0.61),
     }
     name, why = study.pick_default(stats)
@@ -657,7 +678,7 @@ def test_pick_default_tepo_stays_when_accuracies_are_within_0_01():
 
 
 def test_pick_default_without_a_rule_to_apply():
-    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90]), "tepo-seq-gspo": _st([50, 60, 70])}
+    stats = {**BASE, "tepo-seq-ppo": _st([90, 90, 90]), "tepo": _st([50, 60, 70])}
     assert study.pick_default(stats) == (None, "no pick: no finished runs of tepo-token-ratio")
     stats["tepo-token-ratio"] = _st([80, 80, 80])
     stats["grpo"] = _st([0, 100, 100])  # at the threshold at step 0: no ratio
@@ -691,14 +712,14 @@ def _summary(tmp_path, runs, threshold=None, **args):
 
 def test_summary_paired_section_development(tmp_path):
     # threshold 0.9 x 0.6 = 0.54. Censored steps: grpo 40, 60, 80; dapo 80, 120, 170 (never);
-    # tepo 20, 30, 40; gspo 170 (never, final 0.2), 30, 40; token 20, 40, 40. With three seeds
+    # (a) 20, 30, 40; (b) 170 (never, final 0.2), 30, 40; (c) 20, 40, 40. With three seeds
     # each end of an interval has p 1/27 > 2.5%: the intervals are [min, max] of per-seed values.
     runs = _study_runs(
         grpo=[40, 60, 80],
         dapo=[80, 120, None],
         **{
             "tepo-seq-ppo": [20, 30, 40],
-            "tepo-seq-gspo": [None, 30, 40],
+            "tepo": [None, 30, 40],
             "tepo-token-ratio": [20, 40, 40],
         },
     )
@@ -707,74 +728,73 @@ def test_summary_paired_section_development(tmp_path):
     assert "## Verdict" in summary and "| tepo-seq-ppo | 3 | 160 |" in summary
     assert "## Paired by seed (docs/study/PLAN.md)" in summary
     assert "`--threshold 0.54`" in summary or "`--threshold 0.5399999999999999`" in summary
-    # tepo - grpo = -20, -30, -40; ratios 0.5 each; accuracies alike
+    # (a) - grpo = -20, -30, -40; ratios 0.5 each; accuracies alike
     assert (
         "| tepo-seq-ppo | grpo | 3 | 0 / 0 | -30.0 [-40.0, -20.0] | 0.500 [0.500, 0.500] | "
         "+0.000 [+0.000, +0.000] |" in summary
     )
-    # tepo - dapo = -60, -90, -130 (mean -93.3); ratios 0.25, 0.25, 40/170 = 0.235 (mean 0.245)
+    # (a) - dapo = -60, -90, -130 (mean -93.3); ratios 0.25, 0.25, 40/170 = 0.235 (mean 0.245)
     assert (
         "| tepo-seq-ppo | dapo | 3 | 0 / 1 | -93.3 [-130.0, -60.0] | 0.245 [0.235, 0.250] |"
         in summary
     )
-    # gspo - grpo = 130, -30, -40 (mean 20); ratios 4.25, 0.5, 0.5 (mean 1.75); acc -0.4, 0, 0
+    # (b) - grpo = 130, -30, -40 (mean 20); ratios 4.25, 0.5, 0.5 (mean 1.75); acc -0.4, 0, 0
     assert (
-        "| tepo-seq-gspo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | "
+        "| tepo | grpo | 3 | 1 / 0 | +20.0 [-40.0, +130.0] | 1.750 [0.500, 4.250] | "
         "-0.133 [-0.400, +0.000] |" in summary
     )
-    assert "| seed | grpo | dapo | tepo-seq-ppo | tepo-seq-gspo | tepo-token-ratio |" in summary
+    assert "| seed | grpo | dapo | tepo-seq-ppo | tepo | tepo-token-ratio |" in summary
     assert "| 1 | 40 / 0.600 | 80 / 0.600 | 20 / 0.600 | 170* / 0.200 | 20 / 0.600 |" in summary
     assert "| 3 | 80 / 0.600 | 170* / 0.200 | 40 / 0.600 | 40 / 0.600 | 40 / 0.600 |" in summary
-    # scores: tepo max(0.5, 0.245) = 0.5; gspo max(1.75, 0.870) = 1.75; token: to grpo 0.5, 0.667,
-    # 0.5 (0.556), to dapo 0.272: 0.556. The two best: tepo and token, tepo - token = 0, -10, 0:
-    # CI [-10, 0] holds 0; accuracies 0.6 and 0.6: tepo stays.
+    # scores: (a) max(0.5, 0.245) = 0.5; (b) max(1.75, 0.870) = 1.75; (c): to grpo 0.5, 0.667,
+    # 0.5 (0.556), to dapo 0.272: 0.556. The two best: (a) and (c), (a) - (c) = 0, -10, 0:
+    # CI [-10, 0] holds 0; accuracies 0.6 and 0.6: (a) stays.
     assert "**New default by PLAN.md's rule** (seeds 1, 2, 3): `tepo-seq-ppo`. Scores" in summary
-    assert "tepo-seq-ppo 0.500, tepo-seq-gspo 1.750, tepo-token-ratio 0.556" in summary
+    assert "tepo-seq-ppo 0.500, tepo 1.750, tepo-token-ratio 0.556" in summary
     assert "(a) `tepo-seq-ppo` stays" in summary
     assert 'Verdict on "50% faster" by PLAN.md\'s rule' not in summary  # three TEPO configs
 
 
 def test_summary_paired_section_confirmation(tmp_path):
-    # fixed threshold 0.54; gspo 30, 50, 60 against grpo 80, 120, 170: ratios 0.375, 0.417, 0.353,
+    # fixed threshold 0.54; tepo 30, 50, 60 against grpo 80, 120, 170: ratios 0.375, 0.417, 0.353,
     # CI [0.353, 0.417]: confirmed. Against dapo 40, 60, 80: 0.75, 0.833, 0.75, CI [0.75, 0.833]:
     # lo > 0.5, refuted. The claim: refuted (refuted against one, whatever the other).
-    runs = _study_runs(grpo=[80, 120, None], dapo=[40, 60, 80], **{"tepo-seq-gspo": [30, 50, 60]})
+    runs = _study_runs(grpo=[80, 120, None], dapo=[40, 60, 80], tepo=[30, 50, 60])
     summary = _summary(tmp_path, runs, threshold=0.54)
     assert "**Threshold**: 0.540 held-out sampled accuracy fixed by --threshold 0.54." in summary
+    assert "| tepo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |" in summary
+    assert "| tepo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |" in summary
     assert (
-        "| tepo-seq-gspo | dapo | 3 | 0 / 0 | -13.3 [-20.0, -10.0] | 0.778 [0.750, 0.833] |"
-        in summary
-    )
-    assert (
-        "| tepo-seq-gspo | grpo | 3 | 0 / 1 | -76.7 [-110.0, -50.0] | 0.382 [0.353, 0.417] |"
-        in summary
-    )
-    assert (
-        '**Verdict on "50% faster" by PLAN.md\'s rule** (`tepo-seq-gspo`, seeds 1, 2, 3): '
+        '**Verdict on "50% faster" by PLAN.md\'s rule** (`tepo`, seeds 1, 2, 3): '
         "against GRPO **confirmed** (ratio 0.382 [0.353, 0.417]); against DAPO **refuted** "
         "(ratio 0.778 [0.750, 0.833]). The claim: **refuted**."
     ) in summary
     assert "New default by PLAN.md's rule" not in summary  # one candidate only
-    # the first study's rule judges `tepo` only, and says where this study's verdict is
+    assert "No verdict by this rule" not in summary  # the first study's rule judges `tepo` too
+    # another TEPO config alone: the first study's rule says where this study's verdict is
+    runs = _study_runs(grpo=[80, 120, None], dapo=[40, 60, 80], **{"tepo-seq-ppo": [30, 50, 60]})
+    summary = _summary(tmp_path, runs, threshold=0.54)
     assert (
-        "No verdict by this rule, which judges the config `tepo`; for `tepo-seq-gspo` see the "
+        "No verdict by this rule, which judges the config `tepo`; for `tepo-seq-ppo` see the "
         "paired statistics below."
     ) in summary
+    assert '**Verdict on "50% faster" by PLAN.md\'s rule** (`tepo-seq-ppo`, seeds' in summary
     # all faster than half of both: confirmed against each, and so the claim
-    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], **{"tepo-seq-gspo": [20, 20, 30]})
+    runs = _study_runs(grpo=[40, 60, 80], dapo=[80, 120, None], tepo=[20, 20, 30])
     assert "The claim: **confirmed**." in _summary(tmp_path, runs, threshold=0.54)
 
 
 def test_console_prints_the_plans_verdict(tmp_path, capsys):
     """The last console line gives PLAN.md's verdict when the study has one, not the first
-    study's "no verdict" (which judges the config `tepo` only)."""
+    study's (here inconclusive: TEPO's mean steps are not 0.6x DAPO's). The command is the
+    second study's confirmation as PLAN.md wrote it, under (b)'s old name: it reads as `tepo`."""
     out = tmp_path / "s"
-    # threshold 0.5 fixed; reached at gspo 30, 50, 60 / grpo 80, 120, 150 / dapo 40, 60, 80:
+    # threshold 0.5 fixed; reached at tepo 30, 50, 60 / grpo 80, 120, 150 / dapo 40, 60, 80:
     # ratios to DAPO 0.75, 0.833, 0.75, lo > 0.5: refuted against DAPO, and so the claim
     for config, reaches in {
         "grpo": [80, 120, 150],
         "dapo": [40, 60, 80],
-        "tepo-seq-gspo": [30, 50, 60],
+        "tepo": [30, 50, 60],
     }.items():
         for seed, reach in zip((1, 2, 3), reaches):
             _write_run(out, f"{config}-s{seed}", reach)
@@ -795,10 +815,10 @@ def test_console_prints_the_plans_verdict(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == (
         "verdict on 'TEPO halves GRPO/DAPO's convergence time' (steps): refuted "
-        "(`tepo-seq-gspo`, docs/study/PLAN.md's rule)"
+        "(`tepo`, docs/study/PLAN.md's rule)"
     ), last
     # the first rule's paragraph
-    assert "No verdict by this rule" in (out / "summary.md").read_text()
+    assert "In steps: **inconclusive**" in (out / "summary.md").read_text()
 
 
 def test_summary_without_the_paired_section(tmp_path):
@@ -863,7 +883,7 @@ def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small
 
     runs = {
         (c, s): _rows(r)
-        for c, r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-gspo", 50))
+        for c, r in (("grpo", 40), ("dapo", 30), ("tepo", 20), ("tepo-seq-ppo", 50))
         for s in (1, 2)
     }
     drawn = []  # (panel title, labels of its lines), captured as the figure is saved
@@ -874,7 +894,7 @@ def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small
         return real_savefig(fig, *a, **kw)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
-    assert study.plot_curves(tmp_path, runs, ["grpo", "dapo", "tepo", "tepo-seq-gspo"], 0.5) is True
+    assert study.plot_curves(tmp_path, runs, ["grpo", "dapo", "tepo", "tepo-seq-ppo"], 0.5) is True
     acc = {t: labels for t, labels in drawn if t.startswith("held-out sampled acc")}
     assert acc["held-out sampled acc: baselines and other scripts"] == [
         "grpo",
@@ -884,7 +904,7 @@ def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small
     assert acc["held-out sampled acc: TEPO configs"] == [
         "grpo (reference)",
         "tepo",
-        "tepo-seq-gspo",
+        "tepo-seq-ppo",
         "threshold 0.500",
     ]
     png = tmp_path / "curves.png"

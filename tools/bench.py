@@ -51,7 +51,6 @@ import io
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -70,8 +69,8 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 import harness  # noqa: E402
-import tasks  # noqa: E402
 from common import UserError, arg  # noqa: E402
+from tools.study import script_available  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
@@ -131,12 +130,6 @@ def int_list(text: str, flag: str) -> list[int]:
     if not out or min(out) < 1:
         raise UserError(f"{flag} must list integers >= 1, not {text!r}")
     return out
-
-
-def script_available(name: str) -> bool:
-    """Does <name>.py exist and define train()? (Read, not imported.)"""
-    path = ROOT / f"{name}.py"
-    return path.is_file() and re.search(r"^def train\(", path.read_text(), re.M) is not None
 
 
 def resolve_scripts(names: str | None) -> list[str]:
@@ -714,7 +707,7 @@ def compare_with_trl(args: Args, steps: int) -> dict:
         warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 on transformers 5's renames
         cfg = GRPOConfig(**trl_config_kwargs(a, tmp, args.warmup + steps))
         trainer = GRPOTrainer(
-            model=tasks.resolve_model_name(a.model),
+            model=common.resolve_model_name(a.model),
             reward_funcs=boxed_reward,
             args=cfg,
             train_dataset=dataset,
@@ -1120,12 +1113,9 @@ def memory_estimate(
     return out
 
 
-# script -> loads a reference model in its real preset (ERPO always; DAPO never; SAPO: kl 0.001)
-USES_REF = {"grpo": True, "dapo": False, "tepo": True, "erpo": True, "sapo": True}
-
-
-def memory_report(lora_rank: int = 64) -> str:
-    """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA."""
+def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: int = 64) -> str:
+    """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA;
+    `presets` are real_presets(): whether a script loads a reference model is its own say."""
 
     def gb(x):
         return f"{x / 1e9:.1f}"
@@ -1139,11 +1129,11 @@ def memory_report(lora_rank: int = 64) -> str:
         f"peak | fits 24 GB with LoRA |",
         "|---|---|---|---|",
     ]
-    for name, ref in USES_REF.items():
-        critic = QWEN_MATH_1_5B if name == "sapo" else None
+    for name, (_, _, ref, has_critic) in presets.items():
+        critic = QWEN_MATH_1_5B if has_critic else None
         full, lora = memory_estimate(ref, 0, critic), memory_estimate(ref, lora_rank, critic)
         fits = "yes, as is" if lora["peak"] < 24e9 else ""
-        if name == "sapo":
+        if has_critic:  # SAPO: its critic from a smaller model
             small = memory_estimate(ref, lora_rank, QWEN_0_5B)
             fits = f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])}"
         lines.append(
@@ -1167,8 +1157,9 @@ def estimate_report() -> str:
         "| 500 steps | valid tokens/s | decoded tokens/s |",
         "|---" * 10 + "|",
     ]
+    presets = real_presets()
     for gpu, (bandwidth, flops) in GPUS.items():
-        for name, (P, G, ref, critic) in real_presets().items():
+        for name, (P, G, ref, critic) in presets.items():
             e = real_run_estimate(P, G, ref=ref, critic=critic, bandwidth=bandwidth, flops=flops)
             lines.append(
                 f"| {gpu} | {name} | {e['completions']} | "
@@ -1186,7 +1177,7 @@ def estimate_report() -> str:
         "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers "
         "there.",
     ]
-    return "\n".join(lines + ["", memory_report()])
+    return "\n".join(lines + ["", memory_report(presets)])
 
 
 # =====================================================================================

@@ -12,15 +12,17 @@ to first reach a fixed held-out accuracy (our reading).
 The second study (docs/study/PLAN.md, fixed before its runs) is two commands. Development, seeds
 1-5, all five configs; its summary picks the new default and prints the threshold to fix:
 
-    python tools/study.py --jobs 2 --configs grpo,dapo,tepo-seq-ppo,tepo-seq-gspo,tepo-token-ratio
+    python tools/study.py --jobs 2 --configs grpo,dapo,tepo-seq-ppo,tepo,tepo-token-ratio
         --seeds 1,2,3,4,5 --out runs/study2-dev
 
-(It ran when tepo.py's default was still (a), under that config's old name `tepo`.) It picked
-`tepo-seq-gspo`, now tepo.py's default. Confirmation, seeds 6-10, the baselines and the chosen
-default only, at the development threshold; its summary gives the verdict by the plan's rule:
+It picked (b), now tepo.py's default and so the config `tepo`. Confirmation, seeds 6-10, the
+baselines and the chosen default only, at the development threshold; its summary gives the
+verdict by the plan's rule:
 
-    python tools/study.py --jobs 2 --configs grpo,dapo,tepo-seq-gspo --seeds 6,7,8,9,10
+    python tools/study.py --jobs 2 --configs grpo,dapo,tepo --seeds 6,7,8,9,10
         --out runs/study2-confirm --threshold 0.470
+
+(Both ran under older names, which their data in docs/study/ keeps: see OLD_NAMES.)
 
 The full default study is 27 runs of 160 steps: 67 minutes at --jobs 2 on a quiet 2-core CPU
 (measured on 2026-12-01; its results are in docs/study/).
@@ -80,10 +82,10 @@ Default configs (erpo and sapo only where their scripts exist):
                                at PPO's 0.2 / 0.28 (PLAN.md's candidate (c))
     tepo-no-kl                 ablation: --kl-coef 0, no masked KL term at all
     tepo-mask-ref              ablation: observed test against the reference model's entropy
-Not in the default list, only by --configs (PLAN.md's candidates (a) and (b), their flags
-spelled out so that they run the same whatever tepo.py's default is):
+Not in the default list, only by --configs (PLAN.md's candidate (a), its flags spelled out so
+that it runs the same whatever tepo.py's default is; (b), GSPO's clip, is tepo.py's default,
+`tepo`):
     tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28 (first reading)
-    tepo-seq-gspo              (b): the sequence ratio clipped at GSPO's 3e-4 / 4e-4 (the default)
     tepo-seq-mean, grpo-no-kl  docs/study/PLAN-real.md: GRPO's aggregation; GRPO without its KL
     tepo-len, grpo-len,        docs/study/PLAN-length.md: each script with dapo.py's length term
     erpo-len, sapo-len         in its reward (--overlong-cache 16)
@@ -175,7 +177,6 @@ CONFIGS = {
     "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
     "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
-    "tepo-seq-gspo": ("tepo", ["--clip-low", "3e-4", "--clip-high", "4e-4"]),  # PLAN.md (b)
     "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: GRPO's
     "grpo-no-kl": ("grpo", ["--kl-coef", "0"]),  # PLAN-real.md: GRPO without its KL term
     # PLAN-length.md: each script with dapo.py's length term (cpu value), seeds 1-3
@@ -185,11 +186,17 @@ CONFIGS = {
     "sapo-len": ("sapo", ["--overlong-cache", "16"]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
+# One name per run. A config's old name, as PLAN.md, PLAN-real.md and the data of the second study
+# (docs/study/dev/, confirm/) still spell it, reads as its name today: `tepo-seq-gspo` spelled out
+# tepo.py's default, GSPO's clip 3e-4 / 4e-4 (PLAN.md's (b)), which is `tepo`. (The second
+# study's development data also has a `tepo`: tepo.py's default then, (a), today `tepo-seq-ppo`.)
+OLD_NAMES = {"tepo-seq-gspo": "tepo"}
 # every run goes through it: the studies' diagnostics
 DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
-# PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence
-CANDIDATES = ("tepo-seq-ppo", "tepo-seq-gspo", "tepo-token-ratio")
+# PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence.
+# (b), picked, is tepo.py's default since: `tepo`.
+CANDIDATES = ("tepo-seq-ppo", "tepo", "tepo-token-ratio")
 ACC_TIE = 0.01  # PLAN.md: final sampled accuracies within this of each other do not decide
 CLAIMED = "tepo"  # the config the verdict is about: TEPO as tepo.py runs by default
 CLAIM_RATIO = 0.6  # "about half the time": at most 0.6x the baseline's steps (or seconds)
@@ -205,7 +212,7 @@ def script_available(script: str) -> bool:
 def resolve_configs(names: str | None) -> list[str]:
     if names is None:
         return [c for c in DEFAULT_CONFIGS if script_available(CONFIGS[c][0])]
-    out = [c.strip() for c in names.split(",") if c.strip()]
+    out = [OLD_NAMES.get(c.strip(), c.strip()) for c in names.split(",") if c.strip()]
     for c in out:
         if c not in CONFIGS:
             raise UserError(f"unknown config {c!r}; choose from {', '.join(CONFIGS)}")
@@ -296,6 +303,7 @@ def resolve_runs(runs: str) -> list[tuple[str, int]]:
     pairs = []
     for item in (x.strip() for x in runs.split(",") if x.strip()):
         config, _, seed = item.rpartition(":")
+        config = OLD_NAMES.get(config, config)
         if config not in CONFIGS or not seed.lstrip("-").isdigit():
             raise UserError(
                 f"--runs takes config:seed pairs with a known config, not {item!r} "
