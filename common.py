@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -49,6 +50,7 @@ RESUMABLE = (
     "keep_checkpoints",
     "sample_every",
     "tensorboard",
+    "threads",
     "resume",
 )
 
@@ -131,6 +133,9 @@ class RunArgs:
     # --- run ---
     seed: int = arg(1, "seed for data order, sampling and init")
     device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    threads: int | None = arg(
+        None, "torch threads (default: OMP_NUM_THREADS when set, else the preset's, else torch's)"
+    )
     output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
     run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
     eval_every: int | None = arg(None, "held-out evaluation every N steps, and first and last")
@@ -164,6 +169,7 @@ AT_LEAST_ONE = (
     "keep_checkpoints",
     "sample_every",
     "grader_timeout",
+    "threads",
 )
 
 
@@ -326,7 +332,12 @@ def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int =
     (apply_preset), bf16 and gradient checkpointing by default on CUDA only, the run's name, and
     the batch's shape, checked with every common flag (check_args)."""
     cuda = resolve_device(args.device).type == "cuda"
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if args.threads is None and omp.isdigit() and int(omp) > 0:
+        args.threads = int(omp)  # an explicit OMP_NUM_THREADS wins over the preset
     apply_preset(args, presets, cuda)
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
     args.bf16 = cuda if args.bf16 is None else args.bf16
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = cuda

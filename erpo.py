@@ -30,8 +30,13 @@ lines marked `# ERPO:` differ from grpo.py.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+# Before torch loads OpenMP: its idle threads then sleep instead of spinning, so a run keeps its
+# pace beside another job (tools/bench.py, docs/speed.md). An OMP_WAIT_POLICY already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F

@@ -63,6 +63,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -73,6 +74,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
+
+# Before torch loads OpenMP: its idle threads then sleep instead of spinning, so a run keeps its
+# pace beside another job (tools/bench.py, docs/speed.md). An OMP_WAIT_POLICY already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 from tqdm import tqdm

@@ -29,8 +29,13 @@ evaluation). In the other scripts, lines marked with their name (`# TEPO:`) diff
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+# Before torch loads OpenMP: its idle threads then sleep instead of spinning, so a run keeps its
+# pace beside another job (tools/bench.py, docs/speed.md). An OMP_WAIT_POLICY already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F

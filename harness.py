@@ -561,11 +561,16 @@ class Run:
             for k in RESUMABLE:
                 if getattr(args, k) != getattr(type(args)(), k):
                     setattr(saved, k, getattr(args, k))
+            if args.threads is None:  # chosen again for this machine (OMP_NUM_THREADS, preset)
+                saved.threads = None
             self.dir = where if restart else self.ckpt.parent  # where it was pointed, even a copy
             saved.output_dir, saved.run_name = str(self.dir.parent), self.dir.name
             args = saved
         self.args = args = resolve(args)
         self.device = resolve_device(args.device)
+        torch.set_num_threads(args.threads)
+        threads = f"{args.threads} torch thread{'s' * (args.threads > 1)}"
+        print(f"{algo}: {threads} on {self.device} (--threads or OMP_NUM_THREADS to change)")
         if self.state is not None and args.steps <= self.state["step"]:
             print(
                 f"nothing to train: {self.ckpt} is at step {self.state['step']} already, and "

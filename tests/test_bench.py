@@ -434,11 +434,11 @@ def test_threads_report_table(monkeypatch):
 
     def fake(cmd, threads, wait, busy):
         seen.append((threads, wait, busy))
-        return [2.0 if busy and wait == "active" else 1.0]
+        return [2.0 if busy and wait == "default" else 1.0]
 
     monkeypatch.setattr(bench, "step_seconds", fake)
     args = bench.Args(threads_steps=2)
     text = bench.threads_report(args)
-    assert "| tiny default | 2, active | 1.00 | 2.00 | 2.0x |" in text
+    assert "| tiny default | 2, default | 1.00 | 2.00 | 2.0x |" in text
     assert "| tiny default | 1, passive | 1.00 | 1.00 | 1.0x |" in text
     assert len(seen) == 2 * len(bench.THREAD_SETTINGS)
