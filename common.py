@@ -17,6 +17,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
@@ -396,13 +397,70 @@ def resolve_model_name(name: str) -> str:
     )
 
 
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now, or None: one HEAD request to it, through
+    huggingface_hub's own session (its endpoint, proxies and certificates), with no retries; a
+    name lookup that hangs counts as no answer after `timeout` seconds."""
+    from huggingface_hub import constants, get_session
+
+    answer = []
+
+    def probe():
+        try:
+            status = get_session().head(constants.ENDPOINT, timeout=timeout).status_code
+            answer.append(None if status < 500 else f"HTTP {status}")
+        except Exception as e:  # no route, no name, refused, a proxy's error, a timeout
+            answer.append(first_line(e))
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answer[0] if answer else f"no answer in {timeout:g} s"
+
+
+def check_hub(name: str) -> None:
+    """A hub id loads from the hub, or from the local Hugging Face cache. Offline (HF_HUB_OFFLINE
+    or TRANSFORMERS_OFFLINE set) a model not in the cache, or online a hub that cannot be reached,
+    is one line at once: huggingface_hub would first retry each file for ~25 s. A hub within reach
+    is left to from_pretrained (a name it does not know is its one line)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid repo id: from_pretrained says so
+        cached = False
+    if constants.HF_HUB_OFFLINE:
+        if not cached:
+            on = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(v)]
+            names = " and ".join(on or ["HF_HUB_OFFLINE"])
+            raise UserError(
+                f"cannot load model {name!r}: it is not in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}), and downloads are off ({names} set); give a "
+                f"local model folder, or unset {names} to download it"
+            )
+        return
+    why = hub_unreachable()
+    if why is None:
+        return
+    then = (
+        "it is in the local cache: set HF_HUB_OFFLINE=1 to load it from there"
+        if cached
+        else "check the connection, or give a local model folder"
+    )
+    raise UserError(
+        f"cannot load model {name!r}: the Hugging Face hub cannot be reached "
+        f"({constants.ENDPOINT}: {why}); {then}"
+    )
+
+
 def check_model_folder(path: str) -> None:
     """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer: without its
     tokenizer files (a checkpoint copied without them) transformers loads an empty tokenizer and
-    fails deep in generate."""
+    fails deep in generate. Any other name is a hub id, which must be within reach (check_hub)."""
     folder = Path(path)
     if not folder.is_dir():
-        return  # a hub id: the hub's errors are turned into one line where it is loaded
+        check_hub(path)
+        return
     if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise UserError(
             f"model folder {path!r} has no config.json: is it a Hugging Face model folder?"

@@ -3,6 +3,7 @@
     python eval.py                                    # bundled tiny model, tiny task, CPU, offline
     python eval.py --model runs/<run>/checkpoint-200  # a checkpoint saved by grpo.py, dapo.py...
                                                       # (a LoRA run's adapters too: merged on load)
+    python eval.py --model runs/<run>                 # the run's latest whole checkpoint, named
     python eval.py --model Qwen2.5-Math-1.5B \\
         --benchmarks math500,aime24,amc23,minerva,olympiadbench,gsm8k
     python eval.py --model Qwen2.5-Math-1.5B --benchmarks aime24,amc23 \\
@@ -131,8 +132,8 @@ class Args:
     model: str = arg(
         "tiny",
         "'tiny' (the bundled model), a checkpoint folder such as "
-        "runs/<run>/checkpoint-N, a hub id, or a short Qwen name such as "
-        "Qwen2.5-Math-1.5B",
+        "runs/<run>/checkpoint-N, a run folder (its latest checkpoint), a hub id, or a short "
+        "Qwen name such as Qwen2.5-Math-1.5B",
     )
     benchmarks: str | None = arg(
         None,
@@ -308,6 +309,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
         damage = harness.damaged_weights(Path(folder)) if Path(folder).is_dir() else None
         if damage:
             raise UserError(f"cannot load model {path!r}: {damage}")
+    if adapter.is_file() and not Path(base or "").is_dir():  # adapters on a hub model
+        common.check_hub(base)
     try:
         tok = AutoTokenizer.from_pretrained(
             path, padding_side="left", trust_remote_code=trust_remote_code
@@ -690,6 +693,27 @@ def run_benchmark(
 # =====================================================================================
 # Main
 # =====================================================================================
+def run_checkpoint(model_path: str) -> str:
+    """A training run's folder (runs/<run>: checkpoints, no config.json) stands for its latest
+    whole checkpoint, the one --resume would continue from; which one is said before anything
+    else. Any other folder or name is itself."""
+    folder = Path(model_path)
+    is_model = any((folder / f).is_file() for f in ("config.json", "adapter_config.json"))
+    if not folder.is_dir() or is_model:
+        return model_path
+    whole = harness.whole_checkpoints(folder)
+    if not whole:
+        if (folder / "args.json").is_file() or (folder / "latest").is_file():
+            raise UserError(
+                f"{model_path} is a training run folder with no whole checkpoint yet: nothing "
+                f"to score (its run saves one every --save-every steps)"
+            )
+        return model_path  # not a run's: check_model_folder says what it lacks
+    ckpt = harness.find_checkpoint(folder) if (folder / "latest").is_file() else whole[0]
+    print(f"{model_path} is a training run folder: scoring its latest whole checkpoint, {ckpt}")
+    return str(ckpt)
+
+
 def model_label(model_arg: str, model_path: str) -> str:
     """Folder name under runs/eval/: 'tiny', '<run>-checkpoint-N', or the hub name."""
     if model_arg == "tiny":
@@ -768,7 +792,7 @@ def evaluate(args: Args) -> list[dict]:
 
 
 def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
-    model_path = resolve_model_name(args.model)
+    model_path = run_checkpoint(resolve_model_name(args.model))
     tiny = is_tiny(model_path)
     names = [
         b.strip()

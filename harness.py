@@ -342,26 +342,52 @@ def set_rng_state(state: dict) -> None:
 # =====================================================================================
 # The run folder: a lock for the life of a run, and what counts as a run already started
 # =====================================================================================
+class FolderLock:
+    """A folder's lock (lock_run_folder): close() removes its .lock file and then releases it, so
+    a run that ends, however it ends, leaves no .lock naming a dead process. The file goes while
+    the lock is still held: a process that opened it just before and locks it just after finds it
+    gone from the folder, and locks a new one (lock_run_folder checks which file it holds)."""
+
+    def __init__(self, file, path: Path):
+        self.file, self.path = file, path
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        with contextlib.suppress(OSError):  # unlinked only while it is still this lock's file
+            if os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path)):
+                os.unlink(self.path)
+        self.file.close()  # releases the lock
+
+
 def lock_run_folder(run_dir: Path, what: str = "run folder", other: str = "--run-name"):
-    """An exclusive lock on run_dir/.lock, held until the run closes (the system drops it if the
-    process dies). A second process on the same folder gets one line naming the first; `what`
-    the folder is and which `other` flag picks another (eval.py's --output-dir)."""
+    """An exclusive lock on run_dir/.lock (a FolderLock), held until the run closes (the system
+    drops it if the process dies). A second process on the same folder gets one line naming the
+    first; `what` the folder is and which `other` flag picks another (eval.py's --output-dir)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
         return None
-    with writing(f"the {what}'s lock file", run_dir):
-        f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise UserError(
-            f"{what} {str(run_dir)!r} is in use by {holder}; wait for it to end or "
-            f"stop it, or give another {other}"
-        ) from None
+    path = Path(run_dir) / ".lock"
+    while True:
+        with writing(f"the {what}'s lock file", run_dir):
+            f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UserError(
+                f"{what} {str(run_dir)!r} is in use by {holder}; wait for it to end or "
+                f"stop it, or give another {other}"
+            ) from None
+        try:  # the file locked is still the folder's: its holder did not remove it as it ended
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # a removed file: lock the one now at that path
     f.seek(0)
     f.truncate()
     f.write(
@@ -369,7 +395,7 @@ def lock_run_folder(run_dir: Path, what: str = "run folder", other: str = "--run
         f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n"
     )
     f.flush()
-    return f
+    return FolderLock(f, path)
 
 
 def run_folder_of(resume: str) -> Path:
@@ -508,12 +534,16 @@ class Run:
     arguments (a flag that would change them is an error; RESUMABLE ones may change), cuts
     metrics.jsonl back to the checkpoint's step, and cleans what a kill left behind; a run that
     stopped before its first checkpoint starts again from step 0, and one already at --steps
-    trains nothing and says so (exit 0). The folder is locked for the life of the run. The
-    first Ctrl-C or SIGTERM finishes the step, saves, and exits (130 / 143); a second Ctrl-C
+    trains nothing and says so (exit 0). The folder is locked for the life of the run. A new
+    run's folder is made at once (a folder in use or not writable is one line before any model
+    loads), but it is removed if the run closes before it attaches its model and data (a model
+    that fails to load leaves nothing behind). The first Ctrl-C or SIGTERM finishes the step,
+    saves, and exits (130 / 143); before the run attaches it stops at once; a second Ctrl-C
     stops at once, in one line, leaving the checkpoint on disk whole."""
 
     def __init__(self, args, algo: str, resolve):
         self.algo, self.ckpt, self.state, self.lock = algo, None, None, None
+        self.made, self.models = False, None  # made: this run made its folder (and may remove it)
         self.logger, self.bar, self._previous, self.saving = None, None, {}, None
         _ACTIVE_RUNS.append(self)
         try:
@@ -582,6 +612,7 @@ class Run:
             with writing(
                 "the run folder", self.dir.parent if self.dir.parent.exists() else Path.cwd()
             ):
+                self.made = not self.dir.exists()
                 self.dir.mkdir(parents=True, exist_ok=True)
             self.lock = lock_run_folder(self.dir)
             if started(self.dir) and unsaved(self.dir):
@@ -676,6 +707,9 @@ class Run:
             raise KeyboardInterrupt
         self.stop_signal = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.models is None:  # still loading: no step to finish, nothing to save
+            tqdm.write(f"{name}: stopped before the first step; nothing was saved")
+            raise SystemExit(130 if signum == signal.SIGINT else 143)
         tqdm.write(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
 
     def steps(self, start: int):
@@ -857,8 +891,18 @@ class Run:
             self.logger.close()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self.lock is not None:
-            self.lock.close()  # releases the lock
+        if self.lock is None:
+            return
+        unstarted = self.made and self.models is None
+        if unstarted:  # what _open wrote: the run never began, the folder is no run's
+            for name in ("args.json", "metrics.jsonl"):
+                with contextlib.suppress(OSError):
+                    (self.dir / name).unlink()
+            shutil.rmtree(self.dir / "tb", ignore_errors=True)
+        self.lock.close()  # removes .lock and releases it
+        if unstarted:
+            with contextlib.suppress(OSError):  # anything else in it (someone's file) keeps it
+                self.dir.rmdir()
 
 
 def _blown_up(e: BaseException) -> bool:

@@ -670,7 +670,7 @@ def test_resume_refuses_other_settings(
     err = one_line_error(ev.main, tiny_argv(model_dir, tmp_path, *second, "--resume"))
     assert err.startswith("error: --resume: ") and needle in err, err
     assert str(tmp_path / "tiny.greedy.jsonl") in err
-    # nothing touched (the lock file names the last process that held the folder)
+    # nothing touched (nor is a .lock left: it goes when eval.py ends)
     assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != ".lock"} == before
 
 
@@ -1036,6 +1036,39 @@ def small_argv(model, out):
 
 
 @needs_tiny
+def test_a_training_run_folder_scores_its_latest_whole_checkpoint(
+    tmp_path, monkeypatch, capsys, one_line_error
+):
+    """`--model runs/<run>` (the run, not a checkpoint) said "no config.json". It stands for the
+    run's latest whole checkpoint, named before anything else; a run with none says so."""
+    import harness
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "runs" / "grpo-tiny"
+    run.mkdir(parents=True)
+    (run / "args.json").write_text("{}")  # a run stopped before its first checkpoint
+    err = one_line_error(ev.main, small_argv(run, tmp_path / "e0"))
+    assert err == (
+        f"error: {run} is a training run folder with no whole checkpoint yet: nothing to score "
+        f"(its run saves one every --save-every steps)"
+    )
+    model = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    for step in (1, 2):  # as a training run saves them
+        harness.save_checkpoint(run, step, {"": model}, tok, {"step": step})
+    monkeypatch.setattr(ev, "generate", constant_generate())
+    for out, scored in ((tmp_path / "e1", "checkpoint-2"), (tmp_path / "e2", "checkpoint-1")):
+        capsys.readouterr()
+        assert ev.main(small_argv(run, out)) == 0
+        assert capsys.readouterr().out.splitlines()[0] == (
+            f"{run} is a training run folder: scoring its latest whole checkpoint, {run / scored}"
+        )
+        assert json.loads((out / "tiny.greedy.json").read_text())["model"] == str(run / scored)
+        # then checkpoint-2 is cut short (no trainer_state.pt): the newest whole one is scored
+        (run / "checkpoint-2" / "trainer_state.pt").unlink(missing_ok=True)
+
+
+@needs_tiny
 def test_cut_short_weights_are_one_line_naming_the_file(tmp_path, lora_checkpoint, one_line_error):
     weights = cut_short(copy_of_tiny(tmp_path / "full") / "model.safetensors")
     err = one_line_error(ev.main, small_argv(weights.parent, tmp_path / "e1"))
@@ -1182,6 +1215,7 @@ def test_one_output_dir_holds_one_evaluation_at_a_time_and_one_model(
     assert f"--output-dir '{out}' is in use by process {os.getpid()}" in err, err
     assert "give another --output-dir" in err and not (out / "tiny.greedy.jsonl").exists()
     assert ev.main(tiny_argv(model_dir, out)) == 0  # free again: the first evaluation
+    assert not (out / ".lock").exists()  # it named a process that had ended
     before = {p.name: p.read_text() for p in out.iterdir() if p.name != ".lock"}
 
     other = tmp_path / "other-model"

@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -282,7 +283,7 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 143, out[-2000:]
-    assert "Traceback" not in out
+    assert "Traceback" not in out and not (run / ".lock").exists()
     ckpt = harness.find_checkpoint(run)
     assert harness.load_trainer_state(ckpt)["step"] == harness.read_metrics(run)[-1]["step"] >= 1
 
@@ -361,6 +362,90 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
     assert "no column 'problem'" in _error_of(grpo, capsys, ["--dataset", str(bad), *out])
+
+
+def _script(tmp_path, argv, **env):
+    """grpo.py run as a user runs it, with `env` (None: unset) over this environment and a
+    Hugging Face home of its own: (exit code, stderr lines, seconds)."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": None, **env}
+    env = {k: v for k, v in env.items() if v is not None}
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "grpo.py"), *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode, proc.stderr.strip().splitlines(), time.time() - start
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        (
+            {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": None},
+            "it is not in the local Hugging Face cache ({cache}), and downloads are off "
+            "(HF_HUB_OFFLINE set); give a local model folder, or unset HF_HUB_OFFLINE",
+        ),
+        (
+            {
+                "HF_HUB_OFFLINE": "0",
+                "TRANSFORMERS_OFFLINE": None,
+                "HF_ENDPOINT": "http://hub.invalid",
+            },
+            "the Hugging Face hub cannot be reached (http://hub.invalid: ",
+        ),
+    ],
+    ids=["offline", "hub-out-of-reach"],
+)
+def test_a_hub_name_that_cannot_load_is_one_line_at_once(tmp_path, env, says):
+    """Out of the hub's reach a hub name retried each file for ~25 s (12 lines of retries, 51 s
+    in all) before its one line; offline (HF_HUB_OFFLINE) the line did not say why."""
+    code, err, seconds = _script(
+        tmp_path, ["--model", "Qwen2.5-Math-1.5B", "--output-dir", "runs"], **env
+    )
+    says = says.format(cache=tmp_path / "hf" / "hub")
+    assert code == 2 and len(err) == 1, err  # no retries above it
+    assert err[0].startswith("error: cannot load model 'Qwen/Qwen2.5-Math-1.5B': ")
+    assert says in err[0], err
+    assert seconds < 30  # the imports; the hub's retries took 51 s
+    assert not list((tmp_path / "runs").iterdir())  # and no run folder is left behind
+
+
+def test_a_hub_model_in_the_cache_loads_offline_and_out_of_reach_says_how(tmp_path):
+    """The check of a hub name passes a model in the local cache on to from_pretrained when
+    offline; out of the hub's reach it names the cached copy and how to load it."""
+    repo = tmp_path / "hf" / "hub" / "models--local--tiny"
+    shutil.copytree(common.TINY_MODEL_DIR, repo / "snapshots" / "0")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0")
+    argv = ["--model", "local/tiny", "--preset", "tiny", "--steps", "1", *SMALL]
+    code, err, _ = _script(tmp_path, [*argv, "--output-dir", "runs"], HF_HUB_OFFLINE="1")
+    assert code == 0, err[-5:]
+    code, err, _ = _script(
+        tmp_path,
+        [*argv, "--output-dir", "runs2"],
+        HF_HUB_OFFLINE="0",
+        TRANSFORMERS_OFFLINE=None,
+        HF_ENDPOINT="http://hub.invalid",
+    )
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith("it is in the local cache: set HF_HUB_OFFLINE=1 to load it from there")
+
+
+def test_a_local_folder_never_asks_the_hub(monkeypatch):
+    """Only a hub name is checked against the hub; a hub within reach is left to from_pretrained."""
+    from huggingface_hub import constants
+
+    asked = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(common, "hub_unreachable", lambda: asked.append(1))
+    common.check_model_folder(str(common.TINY_MODEL_DIR))
+    assert asked == []
+    common.check_model_folder("Qwen/Qwen2.5-Math-1.5B")  # online, in reach: passed on
+    assert asked == [1]
 
 
 def test_truncated_weights_on_resume_are_a_clear_error(tmp_path, capsys):

@@ -4,6 +4,7 @@ without its tokenizer files. Each is one line, and no work is lost."""
 
 import errno
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -123,10 +124,86 @@ def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, one_line_er
 
 
 def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, one_line_error):
+    """...and its .lock file goes with it: a finished run's folder kept one naming its dead
+    process."""
+    lock = tmp_path / "r" / ".lock"
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
+    assert not lock.exists()
     one_line_error(grpo.main, ["--resume", str(tmp_path / "r"), "--lr", "1"])  # fails after locking
+    assert not lock.exists()
     grpo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])  # so the folder is free again
-    assert not harness._ACTIVE_RUNS
+    assert not harness._ACTIVE_RUNS and not lock.exists()
+
+
+def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypatch):
+    """A second process that opened .lock just before the first removed it, and locked it just
+    after, holds a file no longer in the folder: it must take the one now there, so that a third
+    process finds the folder in use."""
+    import fcntl
+
+    first = harness.lock_run_folder(tmp_path)
+    real_flock = fcntl.flock
+
+    def first_ends_in_between(f, op):  # the second process, between its open and its flock
+        first.close()
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        return real_flock(f, op)
+
+    monkeypatch.setattr(fcntl, "flock", first_ends_in_between)
+    second = harness.lock_run_folder(tmp_path)
+    try:
+        assert os.path.samestat(os.fstat(second.file.fileno()), os.stat(tmp_path / ".lock"))
+        with pytest.raises(UserError, match=f"in use by process {os.getpid()}"):
+            harness.lock_run_folder(tmp_path)  # the third
+    finally:
+        second.close()
+    assert not (tmp_path / ".lock").exists()
+
+
+# =====================================================================================
+# A run that ends before its model and data load leaves no folder
+# =====================================================================================
+def test_a_model_that_fails_to_load_leaves_no_run_folder(tmp_path, one_line_error):
+    """A failed model load left runs/<run>/ with .lock, args.json and an empty metrics.jsonl."""
+    broken = tmp_path / "broken"
+    shutil.copytree(common.TINY_MODEL_DIR, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    runs = tmp_path / "runs"
+    err = one_line_error(grpo.main, [*FAST, "--model", str(broken), "--output-dir", str(runs)])
+    assert "cannot load model" in err
+    assert not list(runs.iterdir())  # the run folder the start made is gone
+    # a folder that was there before the run is kept, as is what someone else put in it
+    (runs / "mine").mkdir()
+    (runs / "mine" / "notes.txt").write_text("mine")
+    argv = [*FAST, "--model", str(broken), "--output-dir", str(runs), "--run-name", "mine"]
+    one_line_error(grpo.main, argv)
+    assert sorted(p.name for p in (runs / "mine").iterdir()) == [
+        "args.json",
+        "metrics.jsonl",
+        "notes.txt",
+    ]
+
+
+def test_ctrl_c_while_the_model_loads_stops_at_once_and_leaves_no_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """The first Ctrl-C said "finishing this step, then saving" while the model was still
+    loading, then trained a whole step: there is no step to finish yet."""
+    real = grpo.load_model
+
+    def interrupted_load(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(grpo, "load_model", interrupted_load)
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*FAST, "--steps", "3", "--output-dir", str(tmp_path), "--run-name", "c"])
+    assert e.value.code == 130
+    printed = capsys.readouterr()
+    assert "Ctrl-C: stopped before the first step; nothing was saved" in printed.out + printed.err
+    assert not (tmp_path / "c").exists() and not harness._ACTIVE_RUNS
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # =====================================================================================
@@ -290,6 +367,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, caps
     _stopped_before_its_first_checkpoint(argv)
     run = tmp_path / "k"
     assert [r["step"] for r in harness.read_metrics(run)] == [1]
+    assert not (run / ".lock").exists()  # an exception ends it too
     assert not list(run.glob("checkpoint-*"))
     err = one_line_error(grpo.main, argv)  # the same command again: it names the one that works
     assert "stopped before its first checkpoint" in err and f"--resume {run}" in err
