@@ -469,8 +469,6 @@ def load_problems(
         made = GENERATED[dataset](split, limit, seed)
         rows = [{"problem": e["problem"], "answer": e["answer"]} for e in made]
         return _noted(dataset, split, rows)
-    import datasets as hf_datasets  # heavy import, only when needed
-
     config, boxed = None, False
     p_col, a_col = "problem", "answer"
     if dataset in HUB_DATASETS:
@@ -486,13 +484,15 @@ def load_problems(
                 path.suffix != ".parquet" and not path.read_text().strip()
             ):
                 raise UserError(f"dataset file {dataset!r} is empty")
-            kind = "parquet" if path.suffix == ".parquet" else "json"
-            ds = hf_datasets.load_dataset(kind, data_files=str(path), split="train")
+            if path.suffix == ".parquet":
+                ds = _hf_load("parquet", data_files=str(path), split="train")
+            else:
+                ds = _json_columns(path, dataset)
         elif path.exists():
             raise UserError(f"dataset {dataset!r}: expected a .jsonl, .json or .parquet file")
         else:
             hub_id = HUB_DATASETS[dataset][0] if dataset in HUB_DATASETS else dataset
-            ds = hf_datasets.load_dataset(hub_id, config, split=split)
+            ds = _hf_load(hub_id, config, split=split)
     except UserError:
         raise
     except Exception as e:  # hub errors, bad files: one line, not a deep traceback
@@ -506,6 +506,12 @@ def load_problems(
             f"{', '.join(ds.column_names)}); set --problem-column / --answer-column"
         )
     rows, dropped = [], 0
+    inexact = [a for a in ds[a_col] if isinstance(a, float) and abs(a) >= FLOAT_EXACT_BELOW]
+    if inexact:  # a float holds 15-17 significant digits
+        print(
+            f"{dataset}: {len(inexact)} answers are floats of 2**53 or more (e.g. {inexact[0]}): "
+            f"an integer answer stored as a float may have lost digits; store answers as text"
+        )
     for p, a in zip(ds[p_col], ds[a_col]):
         if a is not None:  # a null answer must not be graded as the text "None"
             a = last_boxed(str(a)) if boxed else str(a).strip()
@@ -523,6 +529,46 @@ def load_problems(
     if limit is not None and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     return _noted(dataset, split, rows)
+
+
+FLOAT_EXACT_BELOW = 2**53  # a float holds every integer below this; above, digits may be lost
+
+
+def _hf_load(*args, **kwargs):
+    import datasets  # heavy import, only when needed
+
+    return datasets.load_dataset(*args, **kwargs)
+
+
+class _Columns(dict):
+    """Columns by name, as a datasets.Dataset offers them (ds[name], ds.column_names)."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self)
+
+
+def _json_columns(path: Path, name: str) -> _Columns:
+    """A local JSON Lines file, or one JSON array (or object), as columns, every number as written:
+    an integer exact at any size, a decimal as its own text. Read by datasets (pyarrow), a column
+    with one integer beyond 2**63 became floats: 123456789012345678901234567890 was graded as
+    '1.2345678901234568e+29', and 12 beside it as '12.0'."""
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        whole = json.loads(text, parse_float=str)
+        records = whole if isinstance(whole, list) else [whole]
+    except json.JSONDecodeError:  # JSON Lines: one object a line
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                records += [json.loads(line, parse_float=str)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise UserError(f"dataset file {name!r}, line {n}: not JSON ({e.msg})") from None
+    for n, r in enumerate(records, 1):
+        if not isinstance(r, dict):
+            raise UserError(f"dataset file {name!r}: row {n} is not a JSON object: {r!r:.60}")
+    names = dict.fromkeys(k for r in records for k in r)
+    return _Columns({c: [r.get(c) for r in records] for c in names})
 
 
 # The data set and a fingerprint of the rows load_problems last returned, by split: PromptSampler
