@@ -200,8 +200,8 @@ def clean_gold(value, benchmark: str) -> str:
     """Gold answers come as strings, numbers or lists; math-verify wants one LaTeX string."""
     if isinstance(value, (list, tuple)):  # olympiadbench: a list, several for multi-answer problems
         return ", ".join(clean_gold(v, benchmark) for v in value)
-    if isinstance(value, float) and value.is_integer():  # 27.0 -> 27
-        value = int(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:  # 27.0 -> 27
+        value = int(value)  # (not above 2**53, where int() of a float makes up the lost digits)
     text = str(value).strip()
     if benchmark == "gsm8k":  # a worked solution ending in '#### 1,234'
         text = text.split("####")[-1].strip().replace(",", "")

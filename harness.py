@@ -640,6 +640,7 @@ class Run:
         seed_everything(args.seed)
         self.logger = RunLogger(self.dir, args.tensorboard)
         self.stop_signal, self.last_metrics, self._stalled, self.observed = None, None, 0, []
+        self._said_timeouts = False
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -728,6 +729,15 @@ class Run:
             tqdm.write(
                 f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
                 f"sampled acc {metrics['eval/sampled_acc']:.3f}"
+            )
+        timeouts = metrics.get("grader_timeouts", 0) + metrics.get("eval/grader_timeouts", 0)
+        if timeouts and not self._said_timeouts:  # once a run: the counts are in metrics.jsonl
+            self._said_timeouts = True
+            warn(
+                f"step {step}: {timeouts} grade(s) ran out of --grader-timeout "
+                f"({self.args.grader_timeout} s) and counted as wrong, so rewards and accuracy "
+                f"depend on this machine's speed and load (grader_timeouts in metrics.jsonl); "
+                f"a larger --grader-timeout makes them less so"
             )
 
     def observe(self, where: str, **tensors) -> None:

@@ -13,6 +13,8 @@ import atexit
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
+import json
 import random
 import re
 import signal
@@ -226,8 +228,6 @@ def load_problems(
         made = GENERATED[dataset](split, limit, seed)
         rows = [{"problem": e["problem"], "answer": e["answer"]} for e in made]
         return _noted(dataset, split, rows)
-    import datasets as hf_datasets  # heavy import, only when needed
-
     config, boxed = None, False
     p_col, a_col = "problem", "answer"
     if dataset in HUB_DATASETS:
@@ -243,13 +243,15 @@ def load_problems(
                 path.suffix != ".parquet" and not path.read_text().strip()
             ):
                 raise UserError(f"dataset file {dataset!r} is empty")
-            kind = "parquet" if path.suffix == ".parquet" else "json"
-            ds = hf_datasets.load_dataset(kind, data_files=str(path), split="train")
+            if path.suffix == ".parquet":
+                ds = _hf_load("parquet", data_files=str(path), split="train")
+            else:
+                ds = _json_columns(path, dataset)
         elif path.exists():
             raise UserError(f"dataset {dataset!r}: expected a .jsonl, .json or .parquet file")
         else:
             hub_id = HUB_DATASETS[dataset][0] if dataset in HUB_DATASETS else dataset
-            ds = hf_datasets.load_dataset(hub_id, config, split=split)
+            ds = _hf_load(hub_id, config, split=split)
     except UserError:
         raise
     except Exception as e:  # hub errors, bad files: one line, not a deep traceback
@@ -263,6 +265,12 @@ def load_problems(
             f"{', '.join(ds.column_names)}); set --problem-column / --answer-column"
         )
     rows, dropped = [], 0
+    inexact = [a for a in ds[a_col] if isinstance(a, float) and abs(a) >= FLOAT_EXACT_BELOW]
+    if inexact:  # a float holds 15-17 significant digits
+        print(
+            f"{dataset}: {len(inexact)} answers are floats of 2**53 or more (e.g. {inexact[0]}): "
+            f"an integer answer stored as a float may have lost digits; store answers as text"
+        )
     for p, a in zip(ds[p_col], ds[a_col]):
         if a is not None:  # a null answer must not be graded as the text "None"
             a = last_boxed(str(a)) if boxed else str(a).strip()
@@ -280,6 +288,46 @@ def load_problems(
     if limit is not None and limit < len(rows):
         rows = random.Random(seed).sample(rows, limit)
     return _noted(dataset, split, rows)
+
+
+FLOAT_EXACT_BELOW = 2**53  # a float holds every integer below this; above, digits may be lost
+
+
+def _hf_load(*args, **kwargs):
+    import datasets  # heavy import, only when needed
+
+    return datasets.load_dataset(*args, **kwargs)
+
+
+class _Columns(dict):
+    """Columns by name, as a datasets.Dataset offers them (ds[name], ds.column_names)."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self)
+
+
+def _json_columns(path: Path, name: str) -> _Columns:
+    """A local JSON Lines file, or one JSON array (or object), as columns, every number as written:
+    an integer exact at any size, a decimal as its own text. Read by datasets (pyarrow), a column
+    with one integer beyond 2**63 became floats: 123456789012345678901234567890 was graded as
+    '1.2345678901234568e+29', and 12 beside it as '12.0'."""
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        whole = json.loads(text, parse_float=str)
+        records = whole if isinstance(whole, list) else [whole]
+    except json.JSONDecodeError:  # JSON Lines: one object a line
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                records += [json.loads(line, parse_float=str)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise UserError(f"dataset file {name!r}, line {n}: not JSON ({e.msg})") from None
+    for n, r in enumerate(records, 1):
+        if not isinstance(r, dict):
+            raise UserError(f"dataset file {name!r}: row {n} is not a JSON object: {r!r:.60}")
+    names = dict.fromkeys(k for r in records for k in r)
+    return _Columns({c: [r.get(c) for r in records] for c in names})
 
 
 # The data set and a fingerprint of the rows load_problems last returned, by split: PromptSampler
@@ -344,22 +392,25 @@ class PromptSampler:
 # =====================================================================================
 # The grader: math-verify behind a time bound, never executing model text
 # =====================================================================================
-def boxed_answers(text: str) -> list[str]:
-    """Contents of every \\boxed{...} (or \\fbox{...}) in order, braces matched, unclosed ones
-    skipped."""
-    out, pos = [], 0
-    while True:
-        starts = [i for i in (text.find("\\boxed{", pos), text.find("\\fbox{", pos)) if i >= 0]
-        if not starts:
-            return out
-        i = text.index("{", min(starts)) + 1
-        depth, j = 1, i
-        while j < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            j += 1
-        if depth == 0:
-            out.append(text[i : j - 1].strip())
-        pos = i
+_BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\{")
+_BRACE = re.compile(r"[{}]")
+
+
+def boxed_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the content of every \\boxed{...} (or \\fbox{...}), in the order the boxes
+    open, braces matched, unclosed ones skipped. One pass over the braces with a stack: linear in
+    the text whatever it holds (matching each box by a scan of its own took time quadratic in the
+    length: 3.7 s for 3000 nested boxes, 36 s for 100,000 small ones)."""
+    box_braces = {m.end() - 1 for m in _BOX_OPENING.finditer(text)}
+    open_braces, spans = [], []
+    for m in _BRACE.finditer(text):
+        if m.group() == "{":
+            open_braces.append(m.start())
+        elif open_braces:  # a "}" with nothing open closes nothing
+            start = open_braces.pop()
+            if start in box_braces:
+                spans.append((start + 1, m.start()))
+    return sorted(spans)
 
 
 def last_boxed(text: str) -> str | None:
@@ -388,6 +439,50 @@ class Grade:
     correct: bool
     parsed: bool  # False when no answer could be extracted or parsed
     pred: str | None
+    timed_out: bool = False  # a parse or comparison ran out of time (then it counts as wrong)
+
+
+# math-verify calls cut off by the time bound (ever), and grades with one since take_timeouts():
+# a grade that runs out of time is wrong, so on a slow or loaded machine rewards can differ
+_TIMEOUTS = {"calls": 0, "grades": 0}
+
+
+def take_timeouts() -> int:
+    """How many grades ran out of time since the last call (logged as grader_timeouts)."""
+    n, _TIMEOUTS["grades"] = _TIMEOUTS["grades"], 0
+    return n
+
+
+def _parse(text: str, timeout_s: int) -> list:
+    """math_verify.parse; a time-out counted, and, as parse does itself, any error read as
+    nothing parsed."""
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    try:
+        return parse(text, parsing_timeout=timeout_s, raise_on_error=True)
+    except TimeoutException:
+        _TIMEOUTS["calls"] += 1
+        return []
+    except Exception:
+        return []
+
+
+def _verify(gold_parsed: list, pred_parsed: list, timeout_s: int) -> bool:
+    """math_verify.verify, pair by pair as it loops itself, a time-out counted; a pair that
+    raises or runs out of time is not equal. Gold first: the comparison is asymmetric."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    for g, p in itertools.product(gold_parsed, pred_parsed):
+        try:
+            if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
+                return True
+        except TimeoutException:
+            _TIMEOUTS["calls"] += 1
+        except Exception:
+            pass
+    return False
 
 
 def _verify_latex(
@@ -395,16 +490,13 @@ def _verify_latex(
 ) -> tuple[bool, bool]:
     """math-verify on `pred`, read as the content of a box, or (free_text) as a whole completion
     whose final answer math-verify finds itself."""
-    from math_verify import parse, verify
-
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout_s)
-    pred_parsed = parse(pred if free_text else f"\\boxed{{{pred}}}", parsing_timeout=timeout_s)
+    gold_parsed = _parse(f"\\boxed{{{gold}}}", timeout_s)
+    pred_parsed = _parse(pred if free_text else f"\\boxed{{{pred}}}", timeout_s)
     if not pred_parsed:
         return False, False
     if not gold_parsed:
         return False, True
-    # gold first: math-verify's comparison is deliberately asymmetric
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s)), True
+    return _verify(gold_parsed, pred_parsed, timeout_s), True
 
 
 _POOL: concurrent.futures.ProcessPoolExecutor | None = None
@@ -432,6 +524,7 @@ def _verify_in_subprocess(
             p.kill()
         _POOL.shutdown(wait=False, cancel_futures=True)
         _POOL = None
+        _TIMEOUTS["calls"] += 1
         return False, True
 
 
@@ -457,18 +550,31 @@ def grade(completion: str, gold: str, timeout_s: int = 5, extraction: str = "box
     contents joined by ", " (an answer given as \\boxed{(2, 2)} and \\boxed{(6, 2)}), so a
     self-correction (\\boxed{5} ... no, \\boxed{7}) still counts only its last box.
     math_verify: math-verify's own extraction of the final answer from the text ("The answer
-    is: 42", "#### 42"), for models that do not box their answers."""
+    is: 42", "#### 42"), for models that do not box their answers.
+    Time: linear in the completion to find its answer, and math-verify, which sees at most
+    MAX_ANSWER_CHARS (boxed) or MAX_TEXT_CHARS (math_verify), bounded to about timeout_s per
+    parse and per comparison; a grade that runs out of time is wrong, and counted
+    (Grade.timed_out, take_timeouts)."""
+    calls = _TIMEOUTS["calls"]
+    g = _grade(completion, gold, timeout_s, extraction)
+    g.timed_out = _TIMEOUTS["calls"] > calls
+    _TIMEOUTS["grades"] += g.timed_out
+    return g
+
+
+def _grade(completion: str, gold: str, timeout_s: int, extraction: str) -> Grade:
     if extraction == "math_verify":
         correct, parsed = math_equal(gold, completion[-MAX_TEXT_CHARS:], timeout_s, free_text=True)
         return Grade(correct, parsed, None)
-    boxes = boxed_answers(completion)
     pred = last_boxed(completion)
     if not pred or len(pred) > MAX_ANSWER_CHARS:
         return Grade(False, False, pred)
     correct, parsed = math_equal(gold, pred, timeout_s)
-    if not correct and 1 < len(boxes) <= MAX_BOXES and boxes[-1] == pred:
+    spans = boxed_spans(completion) if not correct else []
+    if 1 < len(spans) <= MAX_BOXES:  # only then is each box's content copied out
+        boxes = [completion[i:j].strip() for i, j in spans]
         joined = ", ".join(boxes)
-        if len(joined) <= MAX_ANSWER_CHARS:
+        if boxes[-1] == pred and len(joined) <= MAX_ANSWER_CHARS:
             correct = math_equal(gold, joined, timeout_s)[0]
             pred = joined if correct else pred
     return Grade(correct, parsed, pred)

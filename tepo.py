@@ -863,6 +863,7 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
         out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
+    out["eval/grader_timeouts"] = tasks.take_timeouts()  # greedy and sampled, counted wrong
     return out
 
 
@@ -885,6 +886,7 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
         "completion_len": m.sum(1).float().mean().item(),
         "completion_len_max": m.sum(1).max().item() if len(m) else 0,
         "truncated_frac": batch["truncated"].float().mean().item(),
+        "grader_timeouts": tasks.take_timeouts(),  # grades cut off by --grader-timeout: wrong
     }
 
 

@@ -180,6 +180,118 @@ def test_grade_bounded_off_the_main_thread():
     assert out["normal"].correct  # and it still grades correctly afterwards
 
 
+DEGENERATE = {  # texts a policy could learn to emit; the box-by-box scan took (2-core EPYC):
+    "3000 nested boxes": "\\boxed{" * 3000 + "1" + "}" * 3000,  # 3.7 s
+    "3000 unclosed boxes": "\\boxed{" * 3000,  # 3.3 s
+    "50,000 small boxes (650 kB)": "so \\boxed{1} " * 50_000,  # ~9 s (100,000: 36 s)
+}
+
+
+@pytest.mark.parametrize("name", DEGENERATE)
+def test_degenerate_completions_are_graded_quickly(name):
+    """Finding the boxes is linear in the completion: 0.1 s at most here; 2 s leaves room for a
+    loaded machine. Gold 2 is wrong, so every box is read for the several-boxes rule."""
+    t0 = time.perf_counter()
+    g = grade(DEGENERATE[name], "2")
+    assert time.perf_counter() - t0 < 2, name
+    assert not g.correct and not g.timed_out
+
+
+@pytest.mark.parametrize("name", DEGENERATE)
+def test_degenerate_completions_stay_within_the_time_bound_in_free_text(name):
+    """--answer-extraction math_verify: math-verify reads the last MAX_TEXT_CHARS characters
+    (0.6 s for the nested boxes here, 2.8 s beside three busy processes), each parse bounded."""
+    t0 = time.perf_counter()
+    g = grade(DEGENERATE[name], "2", timeout_s=2, extraction="math_verify")
+    assert time.perf_counter() - t0 < 3 * 2 + 3, name  # gold, prediction, comparison
+    assert not g.correct
+
+
+def _boxed_answers_box_by_box(text: str) -> list[str]:
+    """The grader's former reading (quadratic in the length), kept as the reference."""
+    out, pos = [], 0
+    while True:
+        starts = [i for i in (text.find("\\boxed{", pos), text.find("\\fbox{", pos)) if i >= 0]
+        if not starts:
+            return out
+        i = text.index("{", min(starts)) + 1
+        depth, j = 1, i
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            out.append(text[i : j - 1].strip())
+        pos = i
+
+
+def test_boxes_are_read_as_before():
+    import random
+
+    rng = random.Random(0)
+    atoms = ["\\boxed{", "\\fbox{", "{", "}", "1", " x", "\\boxed", "\\frac{1}{2}"]
+    for _ in range(3000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
+        spans = tasks.boxed_spans(text)
+        assert [text[i:j].strip() for i, j in spans] == _boxed_answers_box_by_box(text), text
+
+
+def test_grades_that_run_out_of_time_are_counted():
+    tasks.take_timeouts()
+    deep = "\\boxed{" + "(" * 60 + "1" + ")" * 60 + "}"  # math-verify parses it for seconds
+    assert grade(deep, "1", timeout_s=1).timed_out
+    assert not grade("\\boxed{\\frac{1}{2}}", "0.5", timeout_s=1).timed_out
+    assert tasks.take_timeouts() == 1 and tasks.take_timeouts() == 0
+
+
+# =====================================================================================
+# Gold answers: read as written, never through a float
+# =====================================================================================
+BIG = 123456789012345678901234567890
+
+
+def test_numeric_gold_answers_keep_every_digit(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from decimal import Decimal
+
+    lines = tmp_path / "big.jsonl"
+    lines.write_text(
+        json.dumps({"problem": "p", "answer": BIG}) + "\n" + '{"problem": "q", "answer": 12}\n'
+    )
+    array = tmp_path / "big.json"
+    array.write_text(
+        '[{"problem": "p", "answer": 3.14159265358979323846}, {"problem": "q", "answer": 0.5}]'
+    )
+    assert [r["answer"] for r in tasks.load_problems(str(lines))] == [str(BIG), "12"]
+    assert [r["answer"] for r in ev.load_benchmark(str(lines), ev.Args())[2]] == [str(BIG), "12"]
+    assert [r["answer"] for r in tasks.load_problems(str(array))] == [
+        "3.14159265358979323846",
+        "0.5",
+    ]
+    # a parquet column holds it as a decimal or as text (pandas cannot write it as an integer)
+    for name, column in [
+        ("decimal", pa.array([Decimal(BIG), Decimal(12)], pa.decimal128(38, 0))),
+        ("text", pa.array([str(BIG), "12"])),
+        ("int64", pa.array([2**62 + 1, 12])),
+    ]:
+        pq.write_table(
+            pa.table({"problem": ["p", "q"], "answer": column}), tmp_path / f"{name}.parquet"
+        )
+        want = str(2**62 + 1) if name == "int64" else str(BIG)
+        assert tasks.load_problems(str(tmp_path / f"{name}.parquet"))[0]["answer"] == want
+    # a float column has lost the digits before we read it: said, not silent
+    pq.write_table(pa.table({"problem": ["p"], "answer": [float(BIG)]}), tmp_path / "f.parquet")
+    capsys.readouterr()
+    tasks.load_problems(str(tmp_path / "f.parquet"))
+    assert "1 answers are floats of 2**53 or more" in capsys.readouterr().out
+    assert ev.clean_gold(float(BIG), "amc23") == "1.2345678901234568e+29"  # no made-up digits
+    assert ev.clean_gold(27.0, "amc23") == "27"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "p", "answer": 1}\n{"problem": "q", answer: 2}\n')
+    with pytest.raises(UserError, match="line 2: not JSON"):
+        tasks.load_problems(str(bad))
+
+
 # =====================================================================================
 # A tiny model to run on
 # =====================================================================================

@@ -488,6 +488,28 @@ def test_a_silent_run_warns_with_the_likely_cause(tmp_path, monkeypatch, capsys)
     assert "--template" in err
 
 
+def test_grades_that_run_out_of_time_are_counted_in_each_step(tmp_path, monkeypatch, capsys):
+    """Every 8th grade gets a completion math-verify parses for seconds, under a 1 s bound: the
+    step's metrics count the training grades, eval/grader_timeouts the held-out ones, once each."""
+    import grpo
+
+    real_grade, calls = tasks.grade, []
+
+    def slow_every_8th(text, gold, timeout_s=5, extraction="boxed"):
+        calls.append(text)
+        if len(calls) % 8 == 1:
+            text = "\\boxed{" + "(" * 60 + "1" + ")" * 60 + "}"
+        return real_grade(text, gold, 1, extraction)
+
+    monkeypatch.setattr(tasks, "grade", slow_every_8th)
+    argv = ["--steps", "2", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL]
+    grpo.main([*argv, "--eval-dataset", "tiny", "--eval-n", "4", "--eval-every", "2"])
+    rows = harness.read_metrics(tmp_path / "t")  # grades: 8 at step 0, then 16 and 16 + 8
+    assert [r.get("grader_timeouts") for r in rows] == [None, 2, 2]
+    assert [r.get("eval/grader_timeouts") for r in rows] == [1, None, 1]
+    assert capsys.readouterr().err.count("ran out of --grader-timeout (5 s)") == 1
+
+
 def test_answer_extraction_option_grades_free_text_answers():
     import grpo
 
