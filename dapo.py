@@ -76,13 +76,7 @@ PRESETS = common.presets(
 
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag left unset, then every flag checked."""
-    cache_given = args.overlong_cache is not None
     common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
-    if not cache_given and args.overlong_cache >= args.max_new_tokens:  # the preset's is too long
-        args.overlong_cache = max(1, args.max_new_tokens // 5)
-        print(
-            f"--overlong-cache set to {args.overlong_cache}: the preset's exceeds --max-new-tokens"
-        )
     common.check_args(
         args,
         {

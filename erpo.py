@@ -26,6 +26,10 @@ batch, on whole groups, before the shuffle into mini-batches; s needs the refere
 is loaded even with --kl-coef 0. ERPO's loss is GRPO's with A_it for A_i, so it comes before
 the advantage that is new. Below the banner "The skeleton" the file is grpo.py's, line for line;
 lines marked `# ERPO:` differ from grpo.py.
+On the cpu preset (a real model, --device cpu) the reward also charges the length cap
+(--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong gap): reward
+shaping of ours, not part of ERPO's objective, on because TEPO learned there with it and not
+without (docs/study).
 """
 
 from __future__ import annotations
@@ -80,10 +84,9 @@ class Args(common.RunArgs):
     eta: float = arg(0.2, "weight of the progress term Psi in the token advantage (our reading)")
     overlong_cache: int | None = arg(
         None,
-        "L_cache: reward shaping, not part of the objective: "
-        "the reward loses up to 0.5 over the last L_cache tokens "
-        "before --max-new-tokens (DAPO's soft overlong punishment at "
-        "DAPO's weight); 0: off (every preset's)",
+        "L_cache: reward shaping of ours, not part of the objective: the reward loses up to 0.5 "
+        "over the last L_cache tokens before --max-new-tokens (DAPO's soft overlong punishment "
+        "at DAPO's weight); the cpu preset's is 16, the tiny and gpu presets' 0 (off)",
     )
 
 

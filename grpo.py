@@ -25,6 +25,10 @@ frozen starting model (ref), eps = --clip-low = --clip-high and beta = --kl-coef
 comes first: flags, reward, advantage, loss, the training loop. Below the banner "The skeleton"
 the file is the same in every script, line for line (loader, LoRA, data, rollouts, log-probs,
 evaluation). In the other scripts, lines marked with their name (`# TEPO:`) differ from this.
+On the cpu preset (a real model, --device cpu) the reward also charges the length cap
+(--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong gap): reward
+shaping of ours, not part of GRPO's objective, on because TEPO learned there with it and not
+without (docs/study).
 """
 
 from __future__ import annotations
@@ -61,10 +65,9 @@ class Args(common.RunArgs):
     kl_coef: float = arg(0.04, "beta, the coefficient of the KL term; 0 skips the reference model")
     overlong_cache: int | None = arg(
         None,
-        "L_cache: reward shaping, not part of the objective: "
-        "the reward loses up to 0.5 over the last L_cache tokens "
-        "before --max-new-tokens (DAPO's soft overlong punishment at "
-        "DAPO's weight); 0: off (every preset's)",
+        "L_cache: reward shaping of ours, not part of the objective: the reward loses up to 0.5 "
+        "over the last L_cache tokens before --max-new-tokens (DAPO's soft overlong punishment "
+        "at DAPO's weight); the cpu preset's is 16, the tiny and gpu presets' 0 (off)",
     )
 
 

@@ -29,6 +29,10 @@ Segment m spans tokens b_m..e_m:
 The advantages are whitened over the rollout batch and clamped (official code). The segments
 come first, then the losses over them, then the rewards, GAE and the critic that feed them.
 Below the banner "The skeleton" the file is grpo.py's, line for line; `# SAPO:` marks the rest.
+On the cpu preset (a real model, --device cpu) the outcome also charges the length cap
+(--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong gap): reward
+shaping of ours, not part of SAPO's objective, on because TEPO learned there with it and not
+without (docs/study).
 """
 
 from __future__ import annotations
@@ -99,10 +103,9 @@ class Args(common.RunArgs):
     value_clip: float = arg(0.5, "the value loss clips V - V_old to [-value_clip, value_clip]")
     overlong_cache: int | None = arg(
         None,
-        "L_cache: reward shaping, not part of the objective: "
-        "the reward loses up to 0.5 over the last L_cache tokens "
-        "before --max-new-tokens (DAPO's soft overlong punishment at "
-        "DAPO's weight); 0: off (every preset's)",
+        "L_cache: reward shaping of ours, not part of the objective: the reward loses up to 0.5 "
+        "over the last L_cache tokens before --max-new-tokens (DAPO's soft overlong punishment "
+        "at DAPO's weight); the cpu preset's is 16, the tiny and gpu presets' 0 (off)",
     )
 
 

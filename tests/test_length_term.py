@@ -1,7 +1,8 @@
 """--overlong-cache in grpo.py, tepo.py, erpo.py and sapo.py: DAPO's soft overlong punishment
 added to the 0/1 outcome at DAPO's weight, r = correct + 0.5 * penalty (reward shaping, no part of
-any objective; docs/study/PLAN-length.md). Off in every preset, where the reward is the outcome
-bit for bit; the same text in the four scripts, and the same helper as dapo.py's."""
+any objective; docs/study/PLAN-length.md). On in the cpu preset since that plan's adoption, off
+in the others, where the reward is the outcome bit for bit; the same text in the four scripts,
+and the same helper as dapo.py's."""
 
 import importlib
 import inspect
@@ -78,11 +79,22 @@ def test_one_text_in_the_four_scripts_and_dapos_helper():
 
 
 @pytest.mark.parametrize("name", FOUR)
-def test_every_preset_leaves_it_off(name):
+def test_the_cpu_preset_turns_it_on_the_others_leave_it_off(name):
+    """PLAN-length.md's adoption: tepo-len learned and was stable on the real model."""
     mod = _mod(name)
-    for preset in ("tiny", "cpu", "gpu"):
-        args = mod.resolve_args(mod.Args(preset=preset, device="cpu", run_name="x"))
-        assert args.overlong_cache == 0, (name, preset)
+    got = {
+        p: mod.resolve_args(mod.Args(preset=p, device="cpu", run_name="x")).overlong_cache
+        for p in ("tiny", "cpu", "gpu")
+    }
+    assert got == {"tiny": 0, "cpu": 16, "gpu": 0}
+
+
+@pytest.mark.parametrize("name", [*FOUR, "dapo"])
+def test_a_preset_cache_that_does_not_fit_the_cap_shrinks(name, capsys):
+    mod = _mod(name)
+    args = mod.resolve_args(mod.Args(preset="cpu", device="cpu", run_name="x", max_new_tokens=12))
+    assert args.overlong_cache == 2  # a fifth of the cap, as dapo.py did alone before
+    assert "--overlong-cache set to 2" in capsys.readouterr().out
 
 
 def test_dapos_presets_keep_their_own():

@@ -3,6 +3,7 @@ picked by model and device, and a short run of a real architecture (a Llama buil
 on the cpu preset. The learning check on SmolLM2-135M-Instruct is opt-in (RUN_SLOW=1): it needs
 the model folder that tools/build_smollm2.py makes, and an hour of two cores."""
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -201,8 +202,11 @@ def test_a_real_architecture_trains_on_the_cpu_preset(real_llama, tmp_path):
     os.environ.get("RUN_SLOW") != "1" or not (SMOLLM / "config.json").is_file(),
     reason="opt-in: RUN_SLOW=1 and models/SmolLM2-135M-Instruct (python tools/build_smollm2.py)",
 )
-@pytest.mark.parametrize("mod", [grpo, tepo])
-def test_smollm2_learns_on_the_cpu_preset(mod, tmp_path):
+@pytest.mark.parametrize("name", ["grpo", "dapo", "tepo", "erpo", "sapo"])
+def test_smollm2_learns_on_the_cpu_preset(name, tmp_path):
+    """The README's real-model command for every script, seed 1 (the study's -len runs,
+    docs/study/PLAN-length.md): 10 greedy points or more in 60 steps."""
+    mod = importlib.import_module(name)
     mod.main(
         [
             "--model",

@@ -89,6 +89,9 @@ that it runs the same whatever tepo.py's default is; (b), GSPO's clip, is tepo.p
     tepo-seq-mean, grpo-no-kl  docs/study/PLAN-real.md: GRPO's aggregation; GRPO without its KL
     tepo-len, grpo-len,        docs/study/PLAN-length.md: each script with dapo.py's length term
     erpo-len, sapo-len         in its reward (--overlong-cache 16)
+On a real model the cpu preset has the length term on since PLAN-length's adoption: the real-model
+runs named grpo, tepo, erpo, sapo, tepo-seq-*, grpo-no-kl in docs/study/real ran before it, with
+it off; repeat one with --extra "... --overlong-cache 0".
 """
 
 from __future__ import annotations
