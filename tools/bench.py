@@ -61,6 +61,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as every script sets it before torch loads
+
 import torch
 
 # the repository: the scripts and common.py live there
