@@ -53,7 +53,7 @@ def test_the_rules_by_hand():
     assert sr.attribution(
         {"tepo-seq-ppo": "fails", "tepo-seq-mean": "fails"}, None, "learns"
     ).startswith("neither alone; grpo-no-kl learns")
-    finals = {"tepo-seq-gspo": [0.5] * 5, "tepo-seq-mean": [0.48] * 5}
+    finals = {"tepo": [0.5] * 5, "tepo-seq-mean": [0.48] * 5}
     assert sr.adoption("learns", True, finals).startswith("adopted")  # -0.02 is allowed
     finals["tepo-seq-mean"] = [0.47] * 5
     assert sr.adoption("learns", True, finals).startswith("not adopted")
@@ -209,3 +209,15 @@ def test_the_length_plan_on_a_study_folder(tmp_path):
     assert "against dapo: refuted: at least dapo's steps in 3 of 3 seeds (T = 0.360)" in text
     assert "seed 1: +0.25 over steps 1-15, +0.25 over 46-60" in text
     assert "explained_var" in (docs / "steps.csv").read_text().splitlines()[0]
+
+
+def test_tiny_finals_read_runs_made_under_a_config_s_old_name(tmp_path):
+    """tools/study.py names today's default `tepo`; runs made when it was `tepo-seq-gspo` count."""
+    for name, seeds in (("tepo-seq-gspo", range(6, 9)), ("tepo", range(9, 11))):
+        for s in seeds:
+            d = tmp_path / "runs" / f"{name}-s{s}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"last_eval": {"eval/sampled_acc": s / 10}}))
+    finals = sr.tiny_finals(tmp_path)
+    assert finals["tepo"] == [0.6, 0.7, 0.8, 0.9, 1.0]
+    assert finals["tepo-seq-mean"] == []

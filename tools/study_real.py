@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
-from tools.study import save_small  # noqa: E402
+from tools.study import OLD_NAMES, save_small  # noqa: E402
 
 # The plan's numbers (docs/study/PLAN-real.md, "The rules")
 SEEDS = (1, 2, 3)
@@ -63,7 +63,7 @@ STEP_COLUMNS = (
     "explained_var",
 )
 ONE_SEED = ("erpo", "sapo")  # seed 1 each, for the README's table (the plan's step 3)
-TINY = ("tepo-seq-gspo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
+TINY = ("tepo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
 TINY_MARGIN = 0.02
 # PLAN-length.md's numbers: each script beside itself with the length term (--overlong-cache 16)
 LENGTH = {"tepo": "tepo-len", "grpo": "grpo-len", "erpo": "erpo-len", "sapo": "sapo-len"}
@@ -259,12 +259,13 @@ def tiny_finals(tiny: Path) -> dict[str, list[float]]:
     out = {}
     for config in TINY:
         finals = []
+        # a run made before a config was renamed has its folder under the old name
+        names = [config, *(old for old, new in OLD_NAMES.items() if new == config)]
         for s in range(6, 11):
-            d = tiny / "runs" / f"{config}-s{s}"
-            if (d / "summary.json").is_file():
-                finals.append(
-                    json.loads((d / "summary.json").read_text())["last_eval"]["eval/sampled_acc"]
-                )
+            for d in (tiny / "runs" / f"{n}-s{s}" / "summary.json" for n in names):
+                if d.is_file():
+                    finals.append(json.loads(d.read_text())["last_eval"]["eval/sampled_acc"])
+                    break
         out[config] = finals
     return out
 
