@@ -1,31 +1,48 @@
-"""The small utility module the scripts share: what a reader of grpo.py ... sapo.py needs at hand.
+"""The one module the scripts share: everything a run needs that is not RL.
 
-The run's flags (a dataclass per script, every flag checked before anything loads) and the
-presets that fill those left unset; model names and model folders; seeding and devices; the
-optimizer and its guarded step; per-micro-batch statistics and the seconds of each phase of a
-step. Nothing here is RL: rollouts, rewards, advantages, losses and the training loop are
-written out in each script, on purpose. What the model is asked and how it is graded lives in
-tasks.py; the run folder, checkpoints, logging and samples in harness.py.
+    args = parse_args(Args, argv, __doc__, PRESETS)  # flags with their defaults, presets on top
+    run = Run(args, "tepo", resolve_args)             # folder, lock, --resume, seeding, signals
+    start = run.attach(models, tokenizer, state)      # what a checkpoint holds
+    for step in run.steps(start): ...; run.end_step(step, metrics)  # log, bar, save, stop
+    return run.finish()
+
+In order: flags and presets; model names and devices; data (the bundled sets, hub sets, files),
+prompts and the grader; the optimizer; the run's files (log, checkpoints) and the run itself.
+Rollouts, rewards, advantages, losses and the training loop are written out in each script.
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
+import concurrent.futures
+import contextlib
 import dataclasses
+import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
 import random
+import re
+import shutil
+import signal
+import socket
 import sys
+import textwrap
 import threading
 import time
 import typing
+from html import escape
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
 TINY_MODEL_DIR = ROOT / "tiny_model"
+DATA = ROOT / "data"  # the bundled data sets, written by tools/make_data.py
 
 
 class UserError(Exception):
@@ -38,140 +55,24 @@ def first_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def warn(msg: str) -> None:
+    """A warning on stderr that does not break the progress bar."""
+    tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+
 # =====================================================================================
-# Arguments: a dataclass per script, parsed by transformers' HfArgumentParser, checked up front
+# Flags: a dataclass per script, every default in sight; a preset overrides the unpassed ones
 # =====================================================================================
-ANSWER_EXTRACTIONS = ("boxed", "math_verify")  # what tasks.grade reads as the final answer
-PRESET_NAMES = ("tiny", "cpu", "gpu")  # PRESETS' names (below), for --preset
+ANSWER_EXTRACTIONS = ("boxed", "math_verify")
+TEMPLATES = ("qwen_math", "tiny", "plain", "chat")
 # The flags a --resume may change, because they do not change what is learned.
-RESUMABLE = (
-    "steps",
-    "device",
-    "save_every",
-    "keep_checkpoints",
-    "sample_every",
-    "tensorboard",
-    "threads",
-    "resume",
-)
+RESUMABLE = ("steps", "device", "save_every", "keep_checkpoints", "sample_every", "tensorboard")
+RESUMABLE += ("threads", "resume")
 
 
 def arg(default, help: str, **metadata):
-    """A dataclass field with its --help text: `lr: float = arg(1e-6, "AdamW learning rate")`."""
+    """A dataclass field with its --help text: `lr: float = arg(2e-4, "AdamW learning rate")`."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
-
-
-def parse_args(cls, argv=None):
-    """The command line as an instance of the dataclass `cls`. Both --max-new-tokens and
-    --max_new_tokens work; an unknown flag prints the usage line and one error line, exit 2."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(cls)
-    args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args
-
-
-@dataclasses.dataclass
-class RunArgs:
-    """The run's flags, the same in every script; a script's Args adds its algorithm's. A flag
-    left at None takes the preset's value (PRESETS, as the script changes them)."""
-
-    # --- model and data ---
-    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
-    dataset: str | None = arg(None, "tiny, words, math, dapo-math, a hub id, or a data file")
-    problem_column: str | None = arg(None, "column of the problem (default: known, or 'problem')")
-    answer_column: str | None = arg(None, "column of the answer (default: known, or 'answer')")
-    template: str | None = arg(None, "prompt template: qwen_math, tiny, plain or chat")
-    eval_dataset: str | None = arg(None, "held-out set for periodic evaluation, or 'none'")
-    answer_extraction: str | None = arg(
-        None,
-        "final answer: the last \\boxed{}, or math-verify's from free text",
-        choices=list(ANSWER_EXTRACTIONS),
-    )
-    trust_remote_code: bool = arg(False, "allow custom model code from the hub (off unless passed)")
-    preset: str = arg(
-        "auto",
-        "where unset flags take their values: tiny (the bundled model), cpu, "
-        "gpu; auto picks by --model and --device",
-        choices=["auto", *PRESET_NAMES],
-    )
-    # --- rollouts ---
-    prompts_per_step: int | None = arg(None, "P, prompts per rollout batch")
-    group_size: int | None = arg(None, "G, completions sampled per prompt")
-    max_new_tokens: int | None = arg(None, "completion length cap")
-    max_prompt_tokens: int | None = arg(
-        None, "longer prompts are dropped (default: context - max_new_tokens)"
-    )
-    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
-    top_p: float = arg(1.0, "nucleus sampling; keep 1.0: log-probs describe what was sampled")
-    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all)")
-    # --- optimisation ---
-    steps: int | None = arg(None, "rollout batches to train on")
-    lr: float | None = arg(None, "AdamW learning rate")
-    warmup_steps: int | None = arg(None, "linear lr warm-up in optimizer steps, then constant")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
-    num_mini_batches: int | None = arg(None, "optimizer steps per rollout batch (mini-batches)")
-    ppo_epochs: int = arg(1, "passes over the rollout batch")
-    micro_batch_size: int | None = arg(None, "completions per forward/backward (grads accumulate)")
-    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
-    gradient_checkpointing: bool | None = arg(None, "recompute activations (default: on CUDA)")
-    bf16: bool | None = arg(None, "bf16 autocast over fp32 weights (default: on CUDA)")
-    # --- LoRA (PEFT) ---
-    lora_rank: int | None = arg(
-        None,
-        "LoRA rank r: adapters on a frozen base; 0 = full "
-        "fine-tuning (the tiny and gpu presets'; the cpu preset's is 16)",
-    )
-    lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
-    lora_target_modules: str = arg(
-        "all-linear",
-        "modules that get adapters: all-linear (every "
-        "linear layer of the blocks) or a list, e.g. q_proj,v_proj",
-    )
-    # --- run ---
-    seed: int = arg(1, "seed for data order, sampling and init")
-    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
-    threads: int | None = arg(
-        None, "torch threads (default: OMP_NUM_THREADS when set, else the preset's, else torch's)"
-    )
-    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
-    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
-    eval_every: int | None = arg(None, "held-out evaluation every N steps, and first and last")
-    eval_n: int | None = arg(None, "held-out problems per evaluation (the same for every seed)")
-    save_every: int | None = arg(None, "checkpoint every N steps, and at the end")
-    keep_checkpoints: int = arg(2, "checkpoints kept (only the newest keeps the optimizer)")
-    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
-    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
-    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
-    resume: str | None = arg(
-        None,
-        "a run folder or checkpoint to continue, in place, with its "
-        "saved flags (only "
-        + ", ".join(f"--{k.replace('_', '-')}" for k in RESUMABLE[:-1])
-        + " may change)",
-    )
-
-
-AT_LEAST_ONE = (
-    "prompts_per_step",
-    "max_new_tokens",
-    "max_prompt_tokens",
-    "gen_batch_size",
-    "steps",
-    "num_mini_batches",
-    "ppo_epochs",
-    "micro_batch_size",
-    "eval_every",
-    "eval_n",
-    "save_every",
-    "keep_checkpoints",
-    "sample_every",
-    "grader_timeout",
-    "threads",
-)
 
 
 def flag(name: str) -> str:
@@ -179,83 +80,104 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_finite(args) -> None:
-    """Every float flag must be a finite number: `--lr inf` or `--temperature nan` would pass a
-    range check (nan fails every comparison, inf passes `> 0`) and fail later, in a traceback."""
-    hints = typing.get_type_hints(type(args))
-    for f in dataclasses.fields(args):
-        v, types = getattr(args, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
-        if float in types and v is not None and not math.isfinite(v):
-            raise UserError(f"{flag(f.name)} must be a finite number, not {v}")
+def _dashed(a: str) -> str:
+    """--max_new_tokens=3 -> --max-new-tokens=3; values are left as they are."""
+    if not a.startswith("--"):
+        return a
+    name, eq, value = a.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
-def check_args(args, rules: dict[str, bool] | None = None) -> None:
-    """Every flag is checked before anything loads: every float flag for finiteness, the common
-    flags here by name; `rules` adds a script's own, as {"message if it fails": condition}."""
-    check_finite(args)
-    for name in AT_LEAST_ONE:
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            raise UserError(f"{flag(name)} must be at least 1, not {v}")
-    for name in ("lr", "temperature", "max_grad_norm"):
-        v = getattr(args, name, None)
-        if v is not None and not v > 0:
-            raise UserError(f"{flag(name)} must be > 0, not {v}")
-    for name in ("weight_decay", "warmup_steps"):
-        v = getattr(args, name, None)
-        if v is not None and v < 0:
-            raise UserError(f"{flag(name)} must be >= 0, not {v}")
-    if getattr(args, "top_p", None) is not None and not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], not {args.top_p}")
-    if (getattr(args, "lora_rank", 0) or 0) < 0 or getattr(args, "lora_alpha", 1) <= 0:
-        raise UserError(
-            f"--lora-rank must be >= 0 (0: full fine-tuning) and --lora-alpha > 0, not "
-            f"{args.lora_rank} and {args.lora_alpha}"
-        )
-    if (getattr(args, "lora_rank", 0) or 0) > 0 and importlib.util.find_spec("peft") is None:
-        raise UserError("--lora-rank needs peft: pip install peft")
-    if getattr(args, "answer_extraction", "boxed") not in ANSWER_EXTRACTIONS:
-        raise UserError(
-            f"--answer-extraction must be one of {', '.join(ANSWER_EXTRACTIONS)}, not "
-            f"{args.answer_extraction!r}"
-        )
-    for message, ok in (rules or {}).items():
-        if not ok:
-            raise UserError(message)
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
 
 
-# =====================================================================================
-# Presets: where a run's unset flags take their values
-# =====================================================================================
-# Where the flags left unset take their values: tiny, the bundled model; cpu, a real model on a
-# CPU (each value's reason: docs/real-models.md); gpu, the real run on one CUDA GPU. These are
-# GRPO's; a script changes only what its algorithm needs (presets()). lora_lr replaces lr under
-# --lora-rank: about 10x full fine-tuning's for real models (LoRA Without Regret, Thinking Machines
-# 2025); 5x for the tiny model (measured: 1e-3 learns, 2e-3 and 5e-3 degrade). overlong_cache,
-# the length term in the reward, is reward shaping of ours, no part of any paper's objective: on
-# the cpu preset it is on (16), because on a real chat model no script but DAPO learned without it
-# and TEPO learned with it (docs/study/PLAN-length.md); off on the tiny and gpu presets. dapo.py's
-# reward is built on it and sets its own.
+@dataclasses.dataclass
+class RunArgs:
+    """The run's flags, the same in every script, at the bundled tiny run's values; a script's
+    Args adds its algorithm's. A preset (PRESETS) changes the flags the user did not pass."""
+
+    # --- model and data ---
+    model: str = arg("tiny", "'tiny' (bundled), a hub id, a short Qwen name, or a local folder")
+    dataset: str = arg("tiny", "tiny, words (bundled), math, dapo-math, a hub id, or a data file")
+    problem_column: str | None = arg(None, "column of the problem (default: known, or 'problem')")
+    answer_column: str | None = arg(None, "column of the answer (default: known, or 'answer')")
+    template: str = arg("tiny", "prompt template", choices=list(TEMPLATES))
+    eval_dataset: str = arg("tiny", "held-out set for periodic evaluation, or 'none'")
+    answer_extraction: str = arg(
+        "boxed",
+        "final answer: the last \\boxed{}, or math-verify's from free text",
+        choices=list(ANSWER_EXTRACTIONS),
+    )
+    trust_remote_code: bool = arg(False, "allow custom model code from the hub")
+    preset: str = arg(
+        "auto",
+        "the table of values for the flags not passed (below); auto: tiny for the bundled model, "
+        "gpu for another model on CUDA, cpu for another model on a CPU",
+        choices=["auto", "tiny", "cpu", "gpu"],
+    )
+    # --- rollouts ---
+    prompts_per_step: int = arg(16, "P, prompts per rollout batch")
+    group_size: int = arg(8, "G, completions sampled per prompt")
+    max_new_tokens: int = arg(40, "completion length cap")
+    max_prompt_tokens: int | None = arg(
+        None, "longer prompts are dropped (default: context - max_new_tokens)"
+    )
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same one")
+    top_p: float = arg(1.0, "nucleus sampling; keep 1.0: log-probs describe what was sampled")
+    gen_batch_size: int | None = arg(None, "completions per generate() call (default: all)")
+    # --- optimisation ---
+    steps: int = arg(160, "rollout batches to train on")
+    lr: float = arg(2e-4, "AdamW learning rate; under --lora-rank the preset's lora_lr")
+    warmup_steps: int = arg(4, "linear lr warm-up in optimizer steps, then constant")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
+    num_mini_batches: int = arg(2, "optimizer steps per rollout batch (mini-batches)")
+    ppo_epochs: int = arg(1, "passes over the rollout batch")
+    micro_batch_size: int = arg(64, "completions per forward/backward (grads accumulate)")
+    optim: str = arg("adamw", "adamw, or adamw8bit (bitsandbytes)", choices=["adamw", "adamw8bit"])
+    gradient_checkpointing: bool | None = arg(None, "recompute activations (default: on CUDA)")
+    bf16: bool | None = arg(None, "bf16 autocast over fp32 weights (default: on CUDA)")
+    # --- LoRA (PEFT) ---
+    lora_rank: int = arg(0, "LoRA rank r: adapters on a frozen base; 0: full fine-tuning")
+    lora_alpha: float = arg(32.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
+    lora_target_modules: str = arg(
+        "all-linear", "modules that get adapters: all-linear, or a list such as q_proj,v_proj"
+    )
+    # --- run ---
+    seed: int = arg(1, "seed for data order, sampling and init")
+    device: str = arg("auto", "auto, cpu, cuda or cuda:N")
+    threads: int | None = arg(None, "torch threads (default: OMP_NUM_THREADS, else torch's)")
+    output_dir: str = arg("runs", "runs are written to <output_dir>/<run_name>/")
+    run_name: str | None = arg(None, "default: <algo>-<model>-s<seed>-<date>")
+    eval_every: int = arg(40, "held-out evaluation every N steps, and first and last")
+    eval_n: int = arg(256, "held-out problems per evaluation (the same for every seed)")
+    save_every: int = arg(80, "checkpoint every N steps, and at the end")
+    keep_checkpoints: int = arg(2, "checkpoints kept (only the newest keeps the optimizer)")
+    sample_every: int = arg(20, "print completions and write samples/step-N.html every N steps")
+    grader_timeout: int = arg(5, "seconds allowed per answer parse / comparison")
+    tensorboard: bool = arg(True, "also log to TensorBoard when it is installed")
+    resume: str | None = arg(
+        None,
+        "a run folder or checkpoint to continue, in place, with its saved flags (only "
+        + ", ".join(flag(k) for k in RESUMABLE[:-1])
+        + " may change)",
+    )
+
+
+# The presets: what changes from the defaults above (the bundled tiny run) for a real model on a
+# CPU, and for the real run on one CUDA GPU (each value's reason: docs/real-models.md). lora_lr
+# is the lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without Regret,
+# Thinking Machines 2025), 5x for the tiny model (measured). overlong_cache, the length term in
+# the reward, is reward shaping of ours, no part of any paper's objective: on for the cpu preset,
+# where without it no script but DAPO learned reliably and TEPO learned with it
+# (docs/study/PLAN-length.md). A script changes these only where its algorithm needs (presets).
 PRESETS = {
-    "tiny": dict(
-        dataset="tiny",
-        template="tiny",
-        eval_dataset="tiny",
-        answer_extraction="boxed",
-        prompts_per_step=16,
-        group_size=8,
-        max_new_tokens=40,
-        steps=160,
-        lr=2e-4,
-        lora_lr=1e-3,
-        warmup_steps=4,
-        num_mini_batches=2,
-        micro_batch_size=64,
-        eval_every=40,
-        eval_n=256,
-        save_every=80,
-        overlong_cache=0,
-    ),
+    "tiny": dict(lora_lr=1e-3),
     "cpu": dict(
         dataset="words",
         template="chat",
@@ -263,13 +185,11 @@ PRESETS = {
         answer_extraction="math_verify",
         lora_rank=16,
         prompts_per_step=4,
-        group_size=8,
         max_new_tokens=64,
         steps=60,
         lr=3e-5,
         lora_lr=3e-4,
         warmup_steps=2,
-        num_mini_batches=2,
         micro_batch_size=16,
         gen_batch_size=64,
         eval_every=15,
@@ -281,9 +201,7 @@ PRESETS = {
         dataset="math",
         template="qwen_math",
         eval_dataset="math",
-        answer_extraction="boxed",
         prompts_per_step=32,
-        group_size=8,
         max_new_tokens=3000,
         steps=500,
         lr=1e-6,
@@ -295,7 +213,6 @@ PRESETS = {
         eval_every=50,
         eval_n=500,
         save_every=50,
-        overlong_cache=0,
     ),
 }
 
@@ -311,42 +228,133 @@ def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:
     }
 
 
-def apply_preset(args, presets: dict[str, dict], cuda: bool) -> None:
-    """Fill every field left at None from a script's preset: --preset, or by model and device
-    (auto: tiny for the bundled model and checkpoints of it, gpu for another model on CUDA, cpu
-    for another model on a CPU). A preset's lora_lr is its lr under --lora-rank."""
-    name = args.preset
-    if name == "auto":
-        name = "tiny" if is_tiny(args.model) else "gpu" if cuda else "cpu"
-    if name not in presets:
-        raise UserError(f"unknown --preset {args.preset!r}; choose from auto, {', '.join(presets)}")
-    args.preset, preset = name, dict(presets[name])
-    lora_lr, lora_rank = preset.pop("lora_lr"), preset.pop("lora_rank", 0)
-    args.lora_rank = lora_rank if args.lora_rank is None else args.lora_rank
-    if args.lora_rank:
-        preset["lr"] = lora_lr
-    for k, v in preset.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+def _preset_table(presets: dict[str, dict]) -> str:
+    lines = ["presets: each changes these flags from the defaults above, unless passed (lora-lr:"]
+    lines.append("the lr under --lora-rank); --preset auto picks one by --model and --device")
+    for name, table in presets.items():
+        pairs = " ".join(f"{flag(k)[2:]}={v}" for k, v in table.items())
+        lines.append(
+            textwrap.fill(
+                pairs,
+                98,
+                initial_indent=f"  {name}: ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            )
+        )
+    return "\n".join(lines)
+
+
+def _opening(doc: str) -> str:
+    """A script's docstring up to its block of commands: what it does, how to run it."""
+    paragraphs = doc.strip().split("\n\n")
+    ends = [i for i, p in enumerate(paragraphs) if p.startswith("    ")] or [1]
+    return "\n\n".join(paragraphs[: ends[0] + 1])
+
+
+def parse_args(cls, argv=None, doc: str = "", presets: dict | None = None):
+    """The command line as an instance of the dataclass `cls`: --help opens with `doc` up to its
+    commands (what the script does, how to run it), lists the script's own flags
+    first, then the run's, each with its default, and ends with the presets. --max-new-tokens
+    and --max_new_tokens both work; an unknown flag is the usage line and one error line, exit 2.
+    The flags given are kept in `args.given`: a preset changes only the others."""
+    parser = argparse.ArgumentParser(
+        description=_opening(doc),
+        epilog=_preset_table(presets) if presets else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [flags: see below]",
+        allow_abbrev=False,
+    )
+    hints = typing.get_type_hints(cls)
+    base = {f.name for f in dataclasses.fields(RunArgs)} if issubclass(cls, RunArgs) else set()
+    own = parser.add_argument_group(f"{Path(sys.argv[0]).stem} flags" if base else "flags")
+    run = parser.add_argument_group("the run's flags (the same in every script)")
+    redeclared = set(cls.__dict__.get("__annotations__", {}))  # a script's own default for one
+    mine = [f for f in dataclasses.fields(cls) if f.name not in base or f.name in redeclared]
+    for f in mine + [f for f in dataclasses.fields(cls) if f not in mine]:  # the script's first
+        kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        kw = dict(dest=f.name, default=f.default, help=help.replace("%", "%%"))
+        if kind[0] is bool:
+            kw.update(type=_bool, nargs="?", const=True, metavar="true|false")
+        else:
+            kw.update(type=kind[0], choices=f.metadata.get("choices"))
+        group = own if f in mine else run
+        group.add_argument(flag(f.name), **kw)
+    argv = [_dashed(a) for a in (sys.argv[1:] if argv is None else argv)]
+    args = cls(**vars(parser.parse_args(argv)))
+    names = {a.split("=")[0] for a in argv if a.startswith("--")}
+    args.given = {f.name for f in dataclasses.fields(cls) if flag(f.name) in names}
+    return args
+
+
+AT_LEAST_ONE = ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "gen_batch_size")
+AT_LEAST_ONE += ("steps", "num_mini_batches", "ppo_epochs", "micro_batch_size", "eval_every")
+AT_LEAST_ONE += ("eval_n", "save_every", "keep_checkpoints", "sample_every", "grader_timeout")
+AT_LEAST_ONE += ("threads",)
+
+
+def check_args(args, rules: dict[str, bool] | None = None) -> None:
+    """Every flag is checked before anything loads: every float flag for finiteness (`--lr inf`
+    or `--temperature nan` would pass a range check and fail later, in a traceback), the common
+    flags here by name; `rules` adds a script's own, as {"message if it fails": condition}."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        v, kinds = getattr(args, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if float in kinds and v is not None and not math.isfinite(v):
+            raise UserError(f"{flag(f.name)} must be a finite number, not {v}")
+    for k in AT_LEAST_ONE:
+        if getattr(args, k, None) is not None and getattr(args, k) < 1:
+            raise UserError(f"{flag(k)} must be at least 1, not {getattr(args, k)}")
+    for k in ("lr", "temperature", "max_grad_norm", "lora_alpha"):
+        if hasattr(args, k) and not getattr(args, k) > 0:
+            raise UserError(f"{flag(k)} must be > 0, not {getattr(args, k)}")
+    for k in ("weight_decay", "warmup_steps", "lora_rank"):
+        if getattr(args, k, 0) < 0:
+            raise UserError(f"{flag(k)} must be >= 0, not {getattr(args, k)}")
+    if not 0 < getattr(args, "top_p", 1) <= 1:
+        raise UserError(f"--top-p must be in (0, 1], not {args.top_p}")
+    if getattr(args, "lora_rank", 0) and importlib.util.find_spec("peft") is None:
+        raise UserError("--lora-rank needs peft: pip install peft")
+    for message, ok in (rules or {}).items():
+        if not ok:
+            raise UserError(message)
+
+
+def given_flags(args) -> set[str]:
+    """The flags the user passed (parse_args keeps them); for args built in code, those that
+    differ from their defaults."""
+    if hasattr(args, "given"):
+        return args.given
+    return {f.name for f in dataclasses.fields(args) if getattr(args, f.name) != f.default}
 
 
 def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int = 2) -> None:
-    """What every script's resolve_args does first: the preset's values for the flags left unset
-    (apply_preset), bf16 and gradient checkpointing by default on CUDA only, the run's name, and
-    the batch's shape, checked with every common flag (check_args)."""
+    """What every script's resolve_args does first: the preset's values for the flags not passed
+    (--preset, or auto by model and device), the threads, bf16 and gradient checkpointing by
+    default on CUDA only, the run's name, and the batch's shape, checked with every common flag."""
     cuda = resolve_device(args.device).type == "cuda"
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if args.threads is None and omp.isdigit() and int(omp) > 0:
-        args.threads = int(omp)  # an explicit OMP_NUM_THREADS wins over the preset
-    cache_given = args.overlong_cache is not None
-    apply_preset(args, presets, cuda)
-    if not cache_given and args.overlong_cache >= args.max_new_tokens:  # the preset's is too long
-        args.overlong_cache = max(1, args.max_new_tokens // 5)
+    given = given_flags(args)
+    if args.preset == "auto":
+        args.preset = "tiny" if is_tiny(args.model) else "gpu" if cuda else "cpu"
+    if args.preset not in presets:
+        raise UserError(f"unknown --preset {args.preset!r}; choose from auto, {', '.join(presets)}")
+    table = dict(presets[args.preset])
+    lora_lr = table.pop("lora_lr")
+    for k, v in table.items():
+        if k not in given:
+            setattr(args, k, v)
+    if args.lora_rank and "lr" not in given:
+        args.lr = lora_lr
+    if "overlong_cache" not in given and args.overlong_cache >= args.max_new_tokens:
+        args.overlong_cache = max(1, args.max_new_tokens // 5)  # the preset's is too long
         print(
-            f"--overlong-cache set to {args.overlong_cache}: the preset's exceeds --max-new-tokens"
+            f"--overlong-cache set to {args.overlong_cache}: the preset's is not below "
+            f"--max-new-tokens"
         )
+    omp = os.environ.get("OMP_NUM_THREADS", "")
     if args.threads is None:
-        args.threads = torch.get_num_threads()
+        args.threads = int(omp) if omp.isdigit() and int(omp) > 0 else torch.get_num_threads()
     args.bf16 = cuda if args.bf16 is None else args.bf16
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = cuda
@@ -355,34 +363,25 @@ def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int =
         args.run_name = f"{algo}-{Path(args.model).name}-s{args.seed}-{stamp}"
     B = args.prompts_per_step * args.group_size
     why = " (a group advantage needs 2 completions)" if min_group == 2 else ""
-    group_ok = args.group_size >= min_group
-    split_ok = args.num_mini_batches >= 1 and B % args.num_mini_batches == 0
-    group_rule = f"--group-size must be at least {min_group}{why}, not {args.group_size}"
-    split_rule = (
-        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches"
-    )
-    check_args(args, {group_rule: group_ok, split_rule: split_ok})
+    rules = {
+        f"--group-size must be at least {min_group}{why}, not {args.group_size}": (
+            args.group_size >= min_group
+        ),
+        f"P*G = {B} completions do not split into {args.num_mini_batches} equal mini-batches": (
+            args.num_mini_batches >= 1 and B % args.num_mini_batches == 0
+        ),
+    }
+    check_args(args, rules)
 
 
 # =====================================================================================
-# Model names and folders
+# Model names and devices
 # =====================================================================================
 # Short names a user can type without the organisation, e.g. `--model Qwen2.5-Math-1.5B`.
-HUB_ORGS_BY_PREFIX = {
-    "Qwen": "Qwen",
-    "DeepSeek": "deepseek-ai",
-    "deepseek": "deepseek-ai",
-    "Llama": "meta-llama",
-    "OLMo": "allenai",
-    "SmolLM": "HuggingFaceTB",
-}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "spiece.model",
-)
+HUB_ORGS_BY_PREFIX = {"Qwen": "Qwen", "DeepSeek": "deepseek-ai", "deepseek": "deepseek-ai"}
+HUB_ORGS_BY_PREFIX |= {"Llama": "meta-llama", "OLMo": "allenai", "SmolLM": "HuggingFaceTB"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES += ("spiece.model",)
 
 
 def resolve_model_name(name: str) -> str:
@@ -406,9 +405,8 @@ def resolve_model_name(name: str) -> str:
 
 
 def hub_unreachable(timeout: float = 5.0) -> str | None:
-    """Why the Hugging Face hub cannot be reached now, or None: one HEAD request to it, through
-    huggingface_hub's own session (its endpoint, proxies and certificates), with no retries; a
-    name lookup that hangs counts as no answer after `timeout` seconds."""
+    """Why the Hugging Face hub cannot be reached now, or None: one HEAD request through
+    huggingface_hub's own session, no retries; a name lookup that hangs is no answer."""
     from huggingface_hub import constants, get_session
 
     answer = []
@@ -426,86 +424,59 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     return answer[0] if answer else f"no answer in {timeout:g} s"
 
 
-def check_hub(name: str) -> None:
-    """A hub id loads from the hub, or from the local Hugging Face cache. Offline (HF_HUB_OFFLINE
-    or TRANSFORMERS_OFFLINE set) a model not in the cache, or online a hub that cannot be reached,
-    is one line at once: huggingface_hub would first retry each file for ~25 s. A hub within reach
-    is left to from_pretrained (a name it does not know is its one line)."""
+def check_model_folder(path: str) -> None:
+    """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer (without it
+    transformers loads an empty tokenizer and fails deep in generate). A hub id must be in the
+    local cache or the hub within reach: huggingface_hub would first retry each file for ~25 s."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    try:
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # not a valid repo id: from_pretrained says so
-        cached = False
-    if constants.HF_HUB_OFFLINE:
-        if not cached:
-            on = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(v)]
-            names = " and ".join(on or ["HF_HUB_OFFLINE"])
+    folder = Path(path)
+    if folder.is_dir():
+        if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
+            raise UserError(f"model folder {path!r} has no config.json: is it a model folder?")
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
             raise UserError(
-                f"cannot load model {name!r}: it is not in the local Hugging Face cache "
-                f"({constants.HF_HUB_CACHE}), and downloads are off ({names} set); give a "
-                f"local model folder, or unset {names} to download it"
+                f"model folder {path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}"
+                f", ...): copy them from the model it was trained from"
             )
         return
-    why = hub_unreachable()
-    if why is None:
-        return
-    then = (
-        "it is in the local cache: set HF_HUB_OFFLINE=1 to load it from there"
-        if cached
-        else "check the connection, or give a local model folder"
-    )
-    raise UserError(
-        f"cannot load model {name!r}: the Hugging Face hub cannot be reached "
-        f"({constants.ENDPOINT}: {why}); {then}"
-    )
-
-
-def check_model_folder(path: str) -> None:
-    """A local model folder must hold a config (or a LoRA adapter's) and a tokenizer: without its
-    tokenizer files (a checkpoint copied without them) transformers loads an empty tokenizer and
-    fails deep in generate. Any other name is a hub id, which must be within reach (check_hub)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        check_hub(path)
-        return
-    if not any((folder / f).is_file() for f in ("config.json", "adapter_config.json")):
+    try:
+        cached = isinstance(try_to_load_from_cache(path, "config.json"), str)
+    except Exception:  # not a valid repo id: from_pretrained says so
+        cached = False
+    if constants.HF_HUB_OFFLINE and not cached:
+        on = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(v)]
+        names = " and ".join(on or ["HF_HUB_OFFLINE"])
         raise UserError(
-            f"model folder {path!r} has no config.json: is it a Hugging Face model folder?"
+            f"cannot load model {path!r}: it is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and downloads are off ({names} set); give a local "
+            f"model folder, or unset {names} to download it"
         )
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+    why = None if constants.HF_HUB_OFFLINE else hub_unreachable()
+    if why is not None:
+        then = (
+            "set HF_HUB_OFFLINE=1 to load it from the local cache"
+            if cached
+            else ("check the connection, or give a local model folder")
+        )
         raise UserError(
-            f"model folder {path!r} has no tokenizer files "
-            f"({', '.join(TOKENIZER_FILES[:2])}, ...): copy them from the model it was "
-            f"trained from"
+            f"cannot load model {path!r}: the Hugging Face hub cannot be reached "
+            f"({constants.ENDPOINT}: {why}); {then}"
         )
 
 
 def is_tiny(model_name: str) -> bool:
-    """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json):
-    both get the tiny presets."""
+    """The bundled tiny model, or a checkpoint trained from it (same shapes in config.json)."""
     path = Path(resolve_model_name(model_name))
     if (path / "adapter_config.json").is_file():  # a LoRA checkpoint: its base decides
         adapter = json.loads((path / "adapter_config.json").read_text())
         path = Path(adapter.get("base_model_name_or_path") or "")
-    if path.resolve() == TINY_MODEL_DIR.resolve():
-        return True
     ref, cfg = TINY_MODEL_DIR / "config.json", path / "config.json"
-    if not (ref.is_file() and cfg.is_file()):
+    if not cfg.is_file():
         return False
     a, b = json.loads(ref.read_text()), json.loads(cfg.read_text())
-    return all(
-        a.get(k) == b.get(k)
-        for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
-    )
-
-
-# =====================================================================================
-# Seeding and devices
-# =====================================================================================
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+    return all(a.get(k) == b.get(k) for k in keys)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -517,27 +488,393 @@ def resolve_device(name: str) -> torch.device:
             f"--device {name} was asked for, but PyTorch sees no CUDA GPU here "
             f"(torch {torch.__version__}); use --device cpu or auto"
         )
-    if name not in ("cpu",) and not name.startswith("cuda"):
+    if name != "cpu" and not name.startswith("cuda"):
         raise UserError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N")
     return torch.device(name)
 
 
 # =====================================================================================
-# Optimizer: AdamW with linear warm-up then constant lr; a non-finite step is skipped
+# Data: problems with reference answers, and the prompt the model sees
+# =====================================================================================
+BUNDLED = ("tiny", "words")  # data/<name>/<split>.jsonl, shuffled once: a subset is its first rows
+# Short name -> (hub id, config, problem column, answer column, answer is a full solution whose
+# last \boxed{} holds the answer)
+HUB_DATASETS = {
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default", "problem", "solution", True),
+    "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "en", "prompt", "solution", False),
+}
+HUB_DATASETS |= {spec[0]: spec for spec in HUB_DATASETS.values()}  # the full hub id works too
+FLOAT_EXACT_BELOW = 2**53  # a float holds every integer below this; above, digits may be lost
+
+
+def read_json_rows(path: Path, name: str) -> list[dict]:
+    """A JSON Lines file, or one JSON array (or object), every number as written: an integer
+    exact at any size, a decimal as its own text (read by pyarrow, a column with one integer
+    beyond 2**63 became floats, and 12 beside it was graded as '12.0')."""
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        whole = json.loads(text, parse_float=str)
+        rows = whole if isinstance(whole, list) else [whole]
+    except json.JSONDecodeError:  # JSON Lines: one object a line
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                rows += [json.loads(line, parse_float=str)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise UserError(f"dataset file {name!r}, line {n}: not JSON ({e.msg})") from None
+    for n, r in enumerate(rows, 1):
+        if not isinstance(r, dict):
+            raise UserError(f"dataset file {name!r}: row {n} is not a JSON object: {r!r:.60}")
+    return rows
+
+
+def _table(dataset: str, split: str, config: str | None) -> list[dict]:
+    """Rows of a bundled set, a local .jsonl/.json/.parquet file, or a hub data set."""
+    path = Path(dataset).expanduser()
+    if dataset in BUNDLED:
+        path = DATA / dataset / f"{split}.jsonl"
+        if not path.is_file():
+            raise UserError(f"the bundled set {dataset!r} has splits train and test, not {split!r}")
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        if path.exists():
+            raise UserError(f"dataset {dataset!r}: expected a .jsonl, .json or .parquet file")
+        import datasets  # heavy: only for hub sets and parquet files
+
+        return datasets.load_dataset(dataset, config, split=split).to_list()
+    if not path.is_file():
+        raise UserError(f"dataset file {dataset!r} does not exist")
+    if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_text().strip()):
+        raise UserError(f"dataset file {dataset!r} is empty")
+    if path.suffix == ".parquet":
+        import datasets
+
+        return datasets.load_dataset("parquet", data_files=str(path), split="train").to_list()
+    return read_json_rows(path, dataset)
+
+
+def load_problems(
+    dataset: str, split: str = "train", problem_column=None, answer_column=None, limit=None
+) -> list[dict]:
+    """[{'problem', 'answer'}] from a bundled set (tiny, words), a short name or hub id in
+    HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file; `limit` problems at
+    most, the same ones whatever the run's seed."""
+    hub_id, config, p_col, a_col, boxed = HUB_DATASETS.get(
+        dataset, (dataset, None, "problem", "answer", False)
+    )
+    p_col, a_col = problem_column or p_col, answer_column or a_col
+    try:
+        table = _table(hub_id, split, config)
+    except UserError:
+        raise
+    except Exception as e:  # hub errors, bad files: one line, not a deep traceback
+        raise UserError(f"cannot load dataset {dataset!r} (split {split!r}): {first_line(e)}")
+    columns = list(dict.fromkeys(k for r in table for k in r))
+    for c in (p_col, a_col):
+        if c not in columns:
+            raise UserError(
+                f"dataset {dataset!r} has no column {c!r} (columns: {', '.join(columns)}); set "
+                f"--problem-column / --answer-column"
+            )
+    inexact = [a for r in table if isinstance(a := r.get(a_col), float) and abs(a) >= 2**53]
+    if inexact:  # a float holds every integer below 2**53; above, digits may be lost
+        print(
+            f"{dataset}: {len(inexact)} answers are floats of 2**53 or more (e.g. {inexact[0]}): "
+            f"an integer answer stored as a float may have lost digits; store answers as text"
+        )
+    rows = []
+    for r in table:
+        p, a = r.get(p_col), r.get(a_col)
+        if a is not None:  # a null answer must not be graded as the text "None"
+            a = last_boxed(str(a)) if boxed else str(a).strip()
+        if p and a:
+            rows.append({"problem": str(p), "answer": a})
+    if not rows:
+        raise UserError(f"dataset {dataset!r} has no rows with both a problem and an answer")
+    if len(rows) < len(table):
+        print(
+            f"{dataset}: dropped {len(table) - len(rows)} of {len(table)} rows with no problem "
+            f"or no answer"
+        )
+    if limit is not None and limit < len(rows):
+        rows = rows[:limit] if dataset in BUNDLED else random.Random(0).sample(rows, limit)
+    return rows
+
+
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+CHAT_INSTRUCTION = "Write the calculation, then: The answer is <number>."  # "step by step" rambled
+
+
+def build_prompt(tokenizer, problem: str, template: str) -> str:
+    """Text of the prompt. qwen_math: the Qwen2.5-Math system prompt through the chat template
+    (as in the Dr. GRPO and Qwen harnesses); tiny: the bare problem as a user turn; plain: the
+    problem and the qwen_math instruction, no chat template; chat: a short instruction as the
+    system turn (it replaces a template's default system prompt, which costs tokens in every
+    pass) and the problem as the user turn, for small chat models that do not box their answers
+    (graded with --answer-extraction math_verify)."""
+    has_chat = getattr(tokenizer, "chat_template", None) is not None
+    system = {"qwen_math": QWEN_MATH_SYSTEM, "chat": CHAT_INSTRUCTION}.get(template)
+    if template not in TEMPLATES:
+        raise UserError(f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}")
+    if template == "plain" or not has_chat:
+        instruction = {"tiny": "", "chat": CHAT_INSTRUCTION}.get(template, QWEN_MATH_SYSTEM)
+        return f"{problem}\n{instruction}\n" if instruction else f"{problem}\n"
+    msgs = [{"role": "user", "content": problem}]
+    if system:
+        msgs.insert(0, {"role": "system", "content": system})
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def fingerprint(rows: list[dict]) -> str:
+    """A short hash of the problems and answers: --resume refuses a run whose data changed."""
+    digest = hashlib.sha256()
+    for r in rows:
+        digest.update(f"{r['problem']}\0{r['answer']}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+class PromptSampler:
+    """Endless shuffled passes over the training rows; its state saves and restores exactly, and
+    restoring it on other rows (another count, another fingerprint) is one line."""
+
+    def __init__(self, rows: list[dict], seed: int, name: str = "the training data"):
+        self.n, self.seed, self.epoch, self.pos, self.name = len(rows), seed, 0, 0, name
+        self.data = fingerprint(rows)
+        self._perm = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        idx = list(range(self.n))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(idx)
+        return idx
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation()
+            out.append(self._perm[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "data": self.data}
+
+    def load_state_dict(self, state: dict) -> None:
+        n, data = state.get("n"), state.get("data")
+        data = data[1] if isinstance(data, (list, tuple)) else data  # (name, fingerprint) before
+        if (
+            (n is not None and n != self.n)
+            or state["pos"] > self.n
+            or data not in (None, self.data)
+        ):
+            why = f"it has {self.n} rows now, the run had {n if n is not None else 'more'}"
+            if n == self.n:
+                why = "its rows differ from those the run was trained on (their fingerprint)"
+            raise UserError(
+                f"the training data ({self.name}) no longer matches the run: {why}; restore the "
+                f"data it was trained on, or start a new run"
+            )
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._perm = self._permutation()
+
+
+# =====================================================================================
+# The grader: math-verify behind a time bound, never executing model text
+# =====================================================================================
+_BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\{")
+_BRACE = re.compile(r"[{}]")
+
+
+def boxed_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the content of every \\boxed{...} (or \\fbox{...}), in the order the boxes
+    open, braces matched, unclosed ones skipped. One pass over the braces with a stack: linear in
+    the text whatever it holds (matching each box by a scan of its own took time quadratic in the
+    length: 3.7 s for 3000 nested boxes, 36 s for 100,000 small ones)."""
+    box_braces = {m.end() - 1 for m in _BOX_OPENING.finditer(text)}
+    open_braces, spans = [], []
+    for m in _BRACE.finditer(text):
+        if m.group() == "{":
+            open_braces.append(m.start())
+        elif open_braces:  # a "}" with nothing open closes nothing
+            start = open_braces.pop()
+            if start in box_braces:
+                spans.append((start + 1, m.start()))
+    return sorted(spans)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces matched; None if absent."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, j = 1, i
+    while j < len(text):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+        j += 1
+    return None  # unclosed box
+
+
+_INT = re.compile(r"-?\d{1,30}")
+MAX_ANSWER_CHARS = 1000  # longer "answers" are refused before any parsing
+MAX_TEXT_CHARS = 20000  # math_verify extraction reads at most the last this many characters
+MAX_BOXES = 10  # an answer spread over more boxes than this is not joined
+
+
+@dataclasses.dataclass
+class Grade:
+    correct: bool
+    parsed: bool  # False when no answer could be extracted or parsed
+    pred: str | None
+    timed_out: bool = False  # a parse or comparison ran out of time (then it counts as wrong)
+
+
+# math-verify calls cut off by the time bound (ever), and grades with one since take_timeouts():
+# a grade that runs out of time is wrong, so on a slow or loaded machine rewards can differ
+_TIMEOUTS = {"calls": 0, "grades": 0}
+
+
+def take_timeouts() -> int:
+    """How many grades ran out of time since the last call (logged as grader_timeouts)."""
+    n, _TIMEOUTS["grades"] = _TIMEOUTS["grades"], 0
+    return n
+
+
+def _parse(text: str, timeout_s: int) -> list:
+    """math_verify.parse; a time-out counted, and, as parse does itself, any error read as
+    nothing parsed."""
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    try:
+        return parse(text, parsing_timeout=timeout_s, raise_on_error=True)
+    except TimeoutException:
+        _TIMEOUTS["calls"] += 1
+        return []
+    except Exception:
+        return []
+
+
+def _verify(gold_parsed: list, pred_parsed: list, timeout_s: int) -> bool:
+    """math_verify.verify, pair by pair as it loops itself, a time-out counted; a pair that
+    raises or runs out of time is not equal. Gold first: the comparison is asymmetric."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    for g, p in itertools.product(gold_parsed, pred_parsed):
+        try:
+            if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
+                return True
+        except TimeoutException:
+            _TIMEOUTS["calls"] += 1
+        except Exception:
+            pass
+    return False
+
+
+def _verify_latex(gold: str, pred: str, timeout_s: int, free_text=False) -> tuple[bool, bool]:
+    """math-verify on `pred`, read as the content of a box, or (free_text) as a whole completion
+    whose final answer math-verify finds itself."""
+    gold_parsed = _parse(f"\\boxed{{{gold}}}", timeout_s)
+    pred_parsed = _parse(pred if free_text else f"\\boxed{{{pred}}}", timeout_s)
+    if not pred_parsed:
+        return False, False
+    if not gold_parsed:
+        return False, True
+    return _verify(gold_parsed, pred_parsed, timeout_s), True
+
+
+_POOL: concurrent.futures.ProcessPoolExecutor | None = None
+
+
+@atexit.register
+def _close_pool() -> None:
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
+
+
+def _verify_in_subprocess(gold: str, pred: str, timeout_s: int, free_text) -> tuple[bool, bool]:
+    """Off the main thread SIGALRM cannot interrupt math-verify, so a worker process runs it
+    and is killed if it overruns."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ProcessPoolExecutor(max_workers=1)
+    fut = _POOL.submit(_verify_latex, gold, pred, 0, free_text)  # 0: no alarm inside the worker
+    try:
+        return fut.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        for p in list(getattr(_POOL, "_processes", {}).values()):
+            p.kill()
+        _POOL.shutdown(wait=False, cancel_futures=True)
+        _POOL = None
+        _TIMEOUTS["calls"] += 1
+        return False, True
+
+
+def math_equal(gold: str, pred: str, timeout_s: int = 5, free_text=False) -> tuple[bool, bool]:
+    """(correct, parsed): math_verify.verify(gold, pred), bounded to about `timeout_s` seconds per
+    parse and per comparison wherever it runs. Plain integers on both sides are compared
+    directly (math-verify gives the same verdict, 1000x faster)."""
+    if not free_text and _INT.fullmatch(pred) and _INT.fullmatch(gold.strip()):
+        return int(pred) == int(gold.strip()), True
+    try:
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM"):
+            return _verify_latex(gold, pred, timeout_s, free_text)
+        return _verify_in_subprocess(gold, pred, timeout_s, free_text)
+    except Exception:  # math-verify raises on some malformed input: a wrong answer, not a crash
+        return False, False
+
+
+def grade(completion: str, gold: str, timeout_s: int = 5, extraction: str = "boxed") -> Grade:
+    """Is the completion's final answer equal to `gold`?
+    boxed: the last \\boxed{}; when it is wrong and the completion has several boxes, their
+    contents joined by ", " (an answer given as \\boxed{(2, 2)} and \\boxed{(6, 2)}), so a
+    self-correction (\\boxed{5} ... no, \\boxed{7}) still counts only its last box.
+    math_verify: math-verify's own extraction of the final answer from the text ("The answer
+    is: 42", "#### 42"), for models that do not box their answers.
+    Time: linear in the completion to find its answer, and math-verify, which sees at most
+    MAX_ANSWER_CHARS (boxed) or MAX_TEXT_CHARS (math_verify), bounded to about timeout_s per
+    parse and per comparison; a grade that runs out of time is wrong, and counted
+    (Grade.timed_out, take_timeouts)."""
+    calls = _TIMEOUTS["calls"]
+    g = _grade(completion, gold, timeout_s, extraction)
+    g.timed_out = _TIMEOUTS["calls"] > calls
+    _TIMEOUTS["grades"] += g.timed_out
+    return g
+
+
+def _grade(completion: str, gold: str, timeout_s: int, extraction: str) -> Grade:
+    if extraction == "math_verify":
+        correct, parsed = math_equal(gold, completion[-MAX_TEXT_CHARS:], timeout_s, free_text=True)
+        return Grade(correct, parsed, None)
+    pred = last_boxed(completion)
+    if not pred or len(pred) > MAX_ANSWER_CHARS:
+        return Grade(False, False, pred)
+    correct, parsed = math_equal(gold, pred, timeout_s)
+    spans = boxed_spans(completion) if not correct else []
+    if 1 < len(spans) <= MAX_BOXES:  # only then is each box's content copied out
+        boxes = [completion[i:j].strip() for i, j in spans]
+        joined = ", ".join(boxes)
+        if boxes[-1] == pred and len(joined) <= MAX_ANSWER_CHARS:
+            correct = math_equal(gold, joined, timeout_s)[0]
+            pred = joined if correct else pred
+    return Grade(correct, parsed, pred)
+
+
+# =====================================================================================
+# The optimizer: AdamW with linear warm-up then constant lr; a non-finite step is skipped
 # =====================================================================================
 def make_optimizer(params: list, args):
     if args.optim == "adamw8bit":
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise UserError(
-                "--optim adamw8bit needs bitsandbytes: pip install bitsandbytes"
-            ) from None
+            raise UserError("--optim adamw8bit needs bitsandbytes: pip install bitsandbytes")
         optimizer = bnb.optim.AdamW8bit(params, lr=args.lr, weight_decay=args.weight_decay)
-    elif args.optim == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     else:
-        raise UserError(f"unknown --optim {args.optim!r}; use adamw or adamw8bit")
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     warmup = max(1, args.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     return optimizer, scheduler
@@ -549,19 +886,17 @@ def optimizer_step(optimizer, scheduler, params: list, max_grad_norm: float, los
     way the gradients are freed: they would otherwise hold weight-sized memory through the next
     generation."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if not (math.isfinite(grad_norm) and math.isfinite(loss)):
-        optimizer.zero_grad(set_to_none=True)
+    skip = not (math.isfinite(grad_norm) and math.isfinite(loss))
+    if skip:
         warn(f"non-finite loss ({loss}) or gradient norm ({grad_norm}): update skipped")
-        return {"grad_norm": float("nan"), "skipped_updates": 1, "optimizer_steps": 1}
-    optimizer.step()
-    scheduler.step()
+    else:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "skipped_updates": 0, "optimizer_steps": 1}
+    grad_norm = float("nan") if skip else grad_norm
+    return {"grad_norm": grad_norm, "skipped_updates": int(skip), "optimizer_steps": 1}
 
 
-# =====================================================================================
-# Statistics of a step: averaged over micro-batches, and the seconds of each phase
-# =====================================================================================
 SUMMED_STATS = ("skipped_updates", "optimizer_steps")
 
 
@@ -581,37 +916,904 @@ def reduce_stats(rows: list[dict]) -> dict:
     return out
 
 
-class Stopwatch:
-    """Seconds of each phase of a step, for the time/<phase> metrics: `lap("generate")` charges
-    the time since the previous lap (or the start) to that phase; laps of one phase add up. On
-    CUDA it waits for the GPU first, so a phase is charged for its own kernels."""
+# The figures the progress bar shows, by metric
+BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent"}
+BAR_FIGURES |= {"completion_len": "len", "tokens_per_s": "tok/s"}
+STALL_STEPS = 5  # steps in a row with (almost) no learning signal before a warning
+_ACTIVE_RUNS: list = []
 
-    def __init__(self, device: torch.device):
-        self.device, self.times = device, {}
-        self.start = self.last = self._now()
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+# =====================================================================================
+# Writing files: a full disk or a read-only folder is one line, never a traceback
+# =====================================================================================
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
 
-    def lap(self, phase: str) -> None:
-        now = self._now()
-        self.times[phase] = self.times.get(phase, 0.0) + now - self.last
-        self.last = now
 
-    def metrics(self, tokens: float) -> dict:
-        """time/<phase> for each phase, time/step since the start, and the step's tokens/s."""
-        step = self._now() - self.start
-        return {
-            **{f"time/{k}": v for k, v in self.times.items()},
-            "time/step": step,
-            "tokens_per_s": tokens / step,
+@contextlib.contextmanager
+def writing(what: str, where: Path, need: int = 0, kept: str = ""):
+    """Around every write of the harness: an error (OSError, or a serializer's I/O error, which
+    safetensors and torch.save raise as other types) becomes one line that names what could not
+    be written and where; when the disk has less room than `need` bytes, it says so and how much."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        try:
+            free = shutil.disk_usage(where if where.is_dir() else where.parent).free
+        except OSError:
+            free = None
+        why = first_line(e)
+        if need and free is not None and free < need:
+            why = f"not enough disk space (it needs about {_mb(need)}, {_mb(free)} free; {why})"
+        raise UserError(f"cannot write {what} in {where}: {why}{kept}") from None
+
+
+def write_text(path: Path, text: str, what: str | None = None) -> None:
+    """A small file, whole or not at all: written beside, then renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(what or path.name, path.parent):
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+# =====================================================================================
+# Logging
+# =====================================================================================
+def _json_value(v):
+    """Strict JSON, no rounding to 0: floats keep 6 significant digits; NaN and inf are null."""
+    if isinstance(v, float):
+        return float(f"{v:.6g}") if math.isfinite(v) else None
+    return v
+
+
+class RunLogger:
+    """Metrics to runs/<name>/metrics.jsonl always, and to TensorBoard when it is installed."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        with writing("metrics.jsonl", self.run_dir):
+            self.file = open(self.run_dir / "metrics.jsonl", "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception:  # tensorboard not installed
+                self.tb = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {
+            "step": step,
+            "time": round(time.time(), 3),
+            **{k: _json_value(v) for k, v in metrics.items()},
         }
+        with writing(f"step {step} to metrics.jsonl", self.run_dir):
+            self.file.write(json.dumps(row, allow_nan=False) + "\n")
+            self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a full disk may refuse the last flush: reported
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
-def warn(msg: str) -> None:
-    """A warning on stderr that does not break the progress bar."""
-    from tqdm import tqdm
+def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows. A line cut short (a kill or a full disk in the middle of an append)
+    is left out, with a one-line warning; --resume then rewrites the file without it."""
+    path, rows = Path(run_dir) / "metrics.jsonl", []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError:
+            warn(f"{path}, line {n}: cut short (a kill or a full disk while writing it); left out")
+    return rows
 
-    tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+# =====================================================================================
+# Checkpoints: written to a temporary folder, renamed into place, then pointed to
+# =====================================================================================
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # not supported on every filesystem
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("-")[-1])
+    except ValueError:
+        return -1
+
+
+def _bytes(obj) -> int:
+    """Bytes of the tensors in a model (what save_pretrained writes: the trained weights, under
+    LoRA the adapters), or in a (nested) state dict."""
+    if isinstance(obj, torch.nn.Module):
+        trained = [p for p in obj.parameters() if p.requires_grad] or list(obj.parameters())
+        return sum(p.numel() * p.element_size() for p in trained)
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes(v) for v in obj)
+    return 0
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    models: dict,
+    tokenizer,
+    trainer_state: dict,
+    optimizer_state: dict | None = None,
+    keep: int = 2,
+) -> Path:
+    """runs/<name>/checkpoint-<step>/: the policy as save_pretrained (safetensors, loadable by
+    from_pretrained and eval.py) with its tokenizer; other models (a critic) in subfolders named
+    by their key in `models` ("" is the folder itself); trainer_state.pt (step, RNG, sampler,
+    scheduler, args); optimizer.pt, which only the newest checkpoint keeps (it is 2x the
+    weights). A kill at any moment leaves a complete checkpoint that `latest` points to; a write
+    that fails (a full disk) removes the temporary folder and leaves the previous one in place."""
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / f"checkpoint-{step}", run_dir / f".tmp-checkpoint-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    need = sum(_bytes(m) for m in models.values()) + _bytes(optimizer_state) + (1 << 20)
+    try:
+        with writing(
+            f"checkpoint-{step}",
+            run_dir,
+            need,
+            kept="; the previous checkpoint and 'latest' are kept",
+        ):
+            tmp.mkdir(parents=True)
+            for name, model in models.items():
+                model.save_pretrained(tmp / name, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            if optimizer_state is not None:
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+            # written last: its presence marks a whole folder
+            torch.save(trainer_state, tmp / "trainer_state.pt")
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+    except UserError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    trash = run_dir / f".trash-checkpoint-{step}"
+    if final.exists():  # re-saving a step: move the old folder aside, never delete it first
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    _fsync(run_dir)
+    with writing("the 'latest' pointer", run_dir, kept=f"; {final.name} is whole"):
+        pointer = run_dir / ".latest.tmp"
+        with open(pointer, "w") as fh:
+            fh.write(final.name + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(pointer, run_dir / "latest")  # the pointer moves only once the folder is whole
+    _fsync(run_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+    ckpts = sorted(run_dir.glob("checkpoint-*"), key=_step_of)
+    for old in ckpts[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for old in ckpts[-keep:-1] if keep > 1 else []:
+        (old / "optimizer.pt").unlink(missing_ok=True)  # only the newest keeps the optimizer
+    return final
+
+
+def clean_leftovers(run_dir: Path) -> None:
+    """After a kill: drop half-written folders; put back an old folder a re-save had moved aside."""
+    run_dir = Path(run_dir)
+    for tmp in run_dir.glob(".tmp-checkpoint-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for trash in run_dir.glob(".trash-checkpoint-*"):
+        final = run_dir / trash.name.replace(".trash-", "")
+        if final.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(trash, final)
+    (run_dir / ".latest.tmp").unlink(missing_ok=True)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder whose `latest` file names one (or, if that one is
+    gone, the newest whole checkpoint in it)."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        target = path / (path / "latest").read_text().strip()
+        if not (target / "trainer_state.pt").is_file():
+            whole = [p for p in path.glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
+            target = max(whole, key=_step_of) if whole else target
+        path = target
+    if not (path / "trainer_state.pt").is_file():
+        raise UserError(
+            f"no checkpoint at {str(path)!r} (expected a run folder with a 'latest' "
+            f"file, or a checkpoint-N folder with trainer_state.pt)"
+        )
+    return path
+
+
+def load_trainer_state(ckpt: Path, name: str = "trainer_state.pt") -> dict:
+    try:
+        return torch.load(Path(ckpt) / name, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(
+            f"checkpoint {str(ckpt)!r} is unreadable ({type(e).__name__}: "
+            f"{first_line(e) if str(e) else 'corrupt file'})"
+        ) from None
+
+
+def _safetensors_end(path: Path) -> int | None:
+    """The size a safetensors file has when whole, read from its header; None if it has none."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n > path.stat().st_size - 8:
+                return None
+            header = json.loads(fh.read(n))
+        return (
+            8
+            + n
+            + max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
+        )
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def damaged_weights(folder: Path, recursive: bool = False) -> str | None:
+    """Why the safetensors weights in `folder` cannot be loaded whole (a file cut short by a copy,
+    a download or a disk that stopped), or None. Read from each file's header alone: it costs
+    nothing before a model loads, and spares the loader's traceback."""
+    folder = Path(folder)
+    for f in sorted(folder.rglob("*.safetensors") if recursive else folder.glob("*.safetensors")):
+        size, end = f.stat().st_size, _safetensors_end(f)
+        if end is None:
+            return f"the weights file {f} is cut short or is not safetensors ({size:,} bytes)"
+        if size < end:
+            return f"the weights file {f} is cut short ({size:,} of {end:,} bytes)"
+    return None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# =====================================================================================
+# The run folder: a lock for the life of a run, and what counts as a run already started
+# =====================================================================================
+class FolderLock:
+    """A folder's lock (lock_run_folder): close() removes its .lock file and then releases it, so
+    a run that ends, however it ends, leaves no .lock naming a dead process. The file goes while
+    the lock is still held: a process that opened it just before and locks it just after finds it
+    gone from the folder, and locks a new one (lock_run_folder checks which file it holds)."""
+
+    def __init__(self, file, path: Path):
+        self.file, self.path = file, path
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        with contextlib.suppress(OSError):  # unlinked only while it is still this lock's file
+            if os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path)):
+                os.unlink(self.path)
+        self.file.close()  # releases the lock
+
+
+def lock_run_folder(run_dir: Path, what: str = "run folder", other: str = "--run-name"):
+    """An exclusive lock on run_dir/.lock (a FolderLock), held until the run closes (the system
+    drops it if the process dies). A second process on the same folder gets one line naming the
+    first; `what` the folder is and which `other` flag picks another (eval.py's --output-dir)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    path = Path(run_dir) / ".lock"
+    while True:
+        with writing(f"the {what}'s lock file", run_dir):
+            f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UserError(
+                f"{what} {str(run_dir)!r} is in use by {holder}; wait for it to end or "
+                f"stop it, or give another {other}"
+            ) from None
+        try:  # the file locked is still the folder's: its holder did not remove it as it ended
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # a removed file: lock the one now at that path
+    f.seek(0)
+    f.truncate()
+    f.write(
+        f"process {os.getpid()} on {socket.gethostname()} (since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n"
+    )
+    f.flush()
+    return FolderLock(f, path)
+
+
+def saved_args(args, algo: str) -> dict:
+    """The flags a run saves (args.json, each checkpoint), with the script that made it."""
+    return {"algo": algo, **dataclasses.asdict(args)}
+
+
+def made_by(saved: dict | Path, algo: str, resume: str) -> None:
+    """A run is continued by the script that made it: another script would accept most of its
+    flags and train it with another objective."""
+    if isinstance(saved, Path):
+        try:
+            saved = json.loads(saved.read_text())
+        except (OSError, ValueError):
+            return  # no readable args.json: the checkpoint's own flags are checked next
+    other = saved.get("algo", algo) if isinstance(saved, dict) else algo
+    if other != algo:
+        raise UserError(
+            f"{resume} is a run of {other}.py, not of {algo}.py: continue it with "
+            f"python {other}.py --resume {resume}"
+        )
+
+
+def run_folder_of(resume: str) -> Path:
+    """The run folder a --resume path belongs to: itself, or the parent of a checkpoint-N folder."""
+    path = Path(resume)
+    is_checkpoint = (path / "trainer_state.pt").is_file() and not (path / "latest").is_file()
+    return path.parent if is_checkpoint else path
+
+
+def started(run_dir: Path) -> bool:
+    """Has a run already logged or saved something in this folder? (A start that failed before its
+    first step leaves only args.json, and may be retried in place.)"""
+    metrics = run_dir / "metrics.jsonl"
+    return (
+        (metrics.is_file() and metrics.stat().st_size > 0)
+        or (run_dir / "latest").exists()
+        or any(run_dir.glob("checkpoint-*"))
+    )
+
+
+KINDS = {float: "a number", int: "a whole number", bool: "true or false", str: "a string"}
+
+
+def check_saved(args, source: Path) -> None:
+    """The saved flags of a run (its args.json, or a checkpoint's trainer_state.pt) typed as the
+    command line types them: a hand-edited "lr": "1e-5" is one line naming the field and the file,
+    not a TypeError deep in the checks. An int stands for a float, as in --lr 1. The range checks
+    follow, the command line's own (resolve)."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        v, types = getattr(args, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if isinstance(v, int) and not isinstance(v, bool) and float in types and int not in types:
+            setattr(args, f.name, v := float(v))
+        ok = type(v) in types  # bool is an int, but not for a flag
+        choices = f.metadata.get("choices")
+        if not ok or (choices and v not in choices):
+            kind = f"one of {', '.join(choices)}" if ok else KINDS[types[0]]
+            raise UserError(f"{source}: {f.name} must be {kind}, not {v!r}")
+
+
+def changed_flags(args, saved) -> list[str]:
+    """The flags given on a --resume that differ from the saved run's."""
+    return [
+        f"{flag(k)} {getattr(args, k)!r} (the run has {getattr(saved, k)!r})"
+        for k in sorted(given_flags(args) - set(RESUMABLE), key=list(vars(args)).index)
+        if getattr(args, k) != getattr(saved, k)
+    ]
+
+
+def whole_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint folders, newest first."""
+    whole = [p for p in Path(run_dir).glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
+    return sorted(whole, key=_step_of, reverse=True)
+
+
+def last_saved(run_dir: Path) -> str:
+    """For the one line of a run that stops: the checkpoint --resume would take (whole: only whole
+    ones are found), or that there is none."""
+    try:
+        ckpt = find_checkpoint(run_dir)
+    except UserError:
+        return "no checkpoint was saved before it"
+    return f"the last checkpoint saved, whole, is {ckpt} (step {_step_of(ckpt)})"
+
+
+def unsaved(path: Path) -> bool:
+    """A run folder whose run stopped before its first checkpoint (killed, or a crash): its
+    arguments are saved (args.json) but no checkpoint is. --resume starts it again from step 0."""
+    path = Path(path)
+    return (
+        (path / "args.json").is_file()
+        and not (path / "latest").exists()
+        and not whole_checkpoints(path)
+    )
+
+
+# =====================================================================================
+# Per-token HTML samples: one self-contained file, no network
+# =====================================================================================
+def _colour(v: float, lo: float, hi: float) -> str:
+    """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
+    if lo < 0 < hi:
+        s = v / max(abs(lo), abs(hi)) if v else 0.0
+        r, g, b = (
+            (255, int(255 * (1 - s)), int(255 * (1 - s)))
+            if s > 0
+            else (int(255 * (1 + s)),) * 2 + (255,)
+        )
+    else:
+        s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
+        r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
+    return f"rgb({r},{g},{b})"
+
+
+def token_html(title: str, rows: list[dict]) -> str:
+    """rows: {"header", "prompt", "tokens": [str], "values": {name: [float per token]}}. Each
+    token is a <span class="tok"> with data-<name> colours and a title listing every value."""
+    names = list(rows[0]["values"]) if rows else []
+    every = {n: [v for r in rows for v in r["values"][n]] or [0.0] for n in names}
+    ranges = {n: (min(vs), max(vs)) for n, vs in every.items()}
+    out = [
+        f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+        ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
+        ".sample{border:1px solid #ccc;padding:.5em;margin:1em 0}.p{color:#666}</style>",
+        f"<h2>{escape(title)}</h2><p>Colour by: <select id='q' onchange='paint()'>",
+        *[f"<option>{escape(n)}</option>" for n in names],
+        "</select> (hover a token for every value)</p>",
+    ]
+    for r in rows:
+        out.append(
+            f"<div class='sample'><b>{escape(r['header'])}</b>"
+            f"<div class='p'>{escape(r['prompt'][-200:])}</div><div>"
+        )
+        for t, tok in enumerate(r["tokens"]):
+            vals = {n: r["values"][n][t] for n in names}
+            data = " ".join(f"data-{escape(n)}='{_colour(v, *ranges[n])}'" for n, v in vals.items())
+            tip = ", ".join(f"{n}={v:.4g}" for n, v in vals.items())
+            out.append(f"<span class='tok' {data} title='{escape(tip)}'>{escape(tok)}</span>")
+        out.append("</div></div>")
+    out.append(
+        "<script>function paint(){var q=document.getElementById('q').value;"
+        "document.querySelectorAll('.tok').forEach(function(e){"
+        "e.style.background=e.getAttribute('data-'+q)||''})}paint()</script>"
+    )
+    return "\n".join(out)
+
+
+# =====================================================================================
+# The run: folder, --resume, Ctrl-C / SIGTERM, progress bar, checkpoints, summary
+# =====================================================================================
+class Run:
+    """A new run refuses an existing folder; --resume DIR continues in DIR itself with the saved
+    arguments (a flag that would change them is an error; RESUMABLE ones may change), cuts
+    metrics.jsonl back to the checkpoint's step, and cleans what a kill left behind; a run that
+    stopped before its first checkpoint starts again from step 0, and one already at --steps
+    trains nothing and says so (exit 0). The folder is locked for the life of the run. A new
+    run's folder is made at once (a folder in use or not writable is one line before any model
+    loads), but it is removed if the run closes before it attaches its model and data (a model
+    that fails to load leaves nothing behind). The first Ctrl-C or SIGTERM finishes the step,
+    saves, and exits (130 / 143); before the run attaches it stops at once; a second Ctrl-C
+    stops at once, in one line, leaving the checkpoint on disk whole."""
+
+    def __init__(self, args, algo: str, resolve):
+        self.algo, self.ckpt, self.state, self.lock = algo, None, None, None
+        self.made, self.models = False, None  # made: this run made its folder (and may remove it)
+        self.logger, self.bar, self._previous, self.saving = None, None, {}, None
+        _ACTIVE_RUNS.append(self)
+        try:
+            self._open(args, resolve)
+        except BaseException:  # a run that cannot start leaves no lock or handler behind
+            self.close()
+            raise
+
+    def _open(self, args, resolve) -> None:
+        algo = self.algo
+        restart = False  # --resume of a run that stopped before its first checkpoint
+        if args.resume:
+            self.dir = run_folder_of(args.resume)
+            made_by(self.dir / "args.json", algo, args.resume)  # before anything is written
+            if self.dir.is_dir():
+                self.lock = lock_run_folder(self.dir)  # before reading: another run may be pruning
+                clean_leftovers(self.dir)  # what a kill while saving left behind
+            restart = unsaved(Path(args.resume))
+            if restart:
+                where = Path(args.resume)
+                try:
+                    saved = json.loads((where / "args.json").read_text())
+                except (OSError, ValueError):
+                    raise UserError(f"{where / 'args.json'} is unreadable") from None
+            else:
+                self.ckpt = where = find_checkpoint(args.resume)
+                self.state = load_trainer_state(self.ckpt)
+                self._check_weights()
+                saved = self.state.get("args")
+            made_by(saved, algo, args.resume)
+            try:
+                saved = type(args)(**{k: v for k, v in saved.items() if k != "algo"})
+            except TypeError:
+                what = "run folder" if restart else "checkpoint"
+                raise UserError(
+                    f"{what} {str(where)!r} was not written by {algo}.py (its arguments differ)"
+                ) from None
+            check_saved(saved, where / ("args.json" if restart else "trainer_state.pt"))
+            changed = changed_flags(args, saved)
+            if changed:
+                raise UserError(
+                    f"--resume keeps the run's arguments, but {'; '.join(changed)}: "
+                    f"only "
+                    f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE[:-1])} "
+                    f"may change; start a new run to change the others"
+                )
+            for k in given_flags(args) & set(RESUMABLE):
+                setattr(saved, k, getattr(args, k))
+            if args.threads is None:  # chosen again for this machine (OMP_NUM_THREADS, preset)
+                saved.threads = None
+            self.dir = where if restart else self.ckpt.parent  # where it was pointed, even a copy
+            saved.output_dir, saved.run_name = str(self.dir.parent), self.dir.name
+            saved.given = set(vars(saved))  # the run's flags are all kept: no preset changes them
+            args = saved
+        self.args = args = resolve(args)
+        self.device = resolve_device(args.device)
+        torch.set_num_threads(args.threads)
+        threads = f"{args.threads} torch thread{'s' * (args.threads > 1)}"
+        print(f"{algo}: {threads} on {self.device} (--threads or OMP_NUM_THREADS to change)")
+        if self.state is not None and args.steps <= self.state["step"]:
+            print(
+                f"nothing to train: {self.ckpt} is at step {self.state['step']} already, and "
+                f"--steps is {args.steps}; give a larger --steps to train further"
+            )
+            raise SystemExit(0)
+        if self.ckpt is None and not restart:
+            self.dir = Path(args.output_dir) / args.run_name
+            with writing(
+                "the run folder", self.dir.parent if self.dir.parent.exists() else Path.cwd()
+            ):
+                self.made = not self.dir.exists()
+                self.dir.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_run_folder(self.dir)
+            if started(self.dir) and unsaved(self.dir):
+                raise UserError(
+                    f"run folder {str(self.dir)!r} already exists, but its run stopped "
+                    f"before its first checkpoint: start it again from step 0, with "
+                    f"its saved arguments, with --resume {self.dir}; or pick another "
+                    f"--run-name"
+                )
+            if started(self.dir):
+                raise UserError(
+                    f"run folder {str(self.dir)!r} already exists: continue it with "
+                    f"--resume {self.dir}, or pick another --run-name"
+                )
+            write_text(self.dir / "args.json", json.dumps(saved_args(args, algo), indent=2))
+        elif restart:
+            print(
+                f"{self.dir} has no checkpoint (its run stopped before the first): starting it "
+                f"again from step 0 with its saved arguments"
+            )
+            self._cut_metrics(-1)  # the steps logged before the stop are run again
+            write_text(self.dir / "args.json", json.dumps(saved_args(args, algo), indent=2))
+        else:
+            self._cut_metrics(self.state["step"])
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)  # also seeds every CUDA device
+        self.logger = RunLogger(self.dir, args.tensorboard)
+        self.stop_signal, self.last_metrics, self._stalled = None, None, 0
+        self.step_start = time.perf_counter()
+        self._said_timeouts = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: terminal closed
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    # --- resume ---------------------------------------------------------------------
+    def _check_weights(self) -> None:
+        """A checkpoint whose weights file is cut short is one line naming the file, and the
+        newest earlier checkpoint of the run whose files are whole, to resume from instead."""
+        damage = damaged_weights(self.ckpt, recursive=True)
+        if damage is None:
+            return
+        step = _step_of(self.ckpt)
+        earlier = [p for p in whole_checkpoints(self.ckpt.parent) if _step_of(p) < step]
+        intact = next((p for p in earlier if damaged_weights(p, recursive=True) is None), None)
+        then = (
+            f"the previous checkpoint, {intact}, is intact: continue from it with --resume {intact}"
+            if intact
+            else "no earlier checkpoint of this run is intact"
+        )
+        raise UserError(f"cannot resume from {self.ckpt}: {damage}; {then}")
+
+    def weights(self, name: str = "", default: str | None = None) -> str:
+        """Where to load model `name` from: the checkpoint being resumed, else `default`."""
+        if self.ckpt is not None:
+            return str(self.ckpt / name)
+        return default if default is not None else self.args.model
+
+    def attach(self, models: dict, tokenizer, state: dict) -> int:
+        """Register what a checkpoint holds (models by subfolder, "" for the policy; objects with
+        state_dict / load_state_dict, those named *optimizer* kept only in the newest checkpoint).
+        On --resume load their saved state and the RNG. Returns the step to start after."""
+        self.models, self.tokenizer, self.stateful = models, tokenizer, state
+        if self.state is None:
+            return 0
+        opt_file = self.ckpt / "optimizer.pt"
+        opt_state = load_trainer_state(self.ckpt, "optimizer.pt") if opt_file.is_file() else None
+        for k, obj in state.items():
+            if "optimizer" not in k:
+                obj.load_state_dict(self.state[k])
+            elif opt_state is None:
+                warn(
+                    f"{self.ckpt.name} keeps no optimizer state (only the newest checkpoint "
+                    f"does): AdamW moments start from zero"
+                )
+            else:
+                obj.load_state_dict(opt_state[k])
+        set_rng_state(self.state["rng"])
+        print(f"resumed {self.dir} from {self.ckpt.name} at step {self.state['step']}")
+        return self.state["step"]
+
+    def _cut_metrics(self, step: int) -> None:
+        """Rows logged after the checkpoint (a crash between saves) would be logged again."""
+        path = self.dir / "metrics.jsonl"
+        if path.is_file():
+            keep = [r for r in read_metrics(self.dir) if r["step"] <= step]
+            write_text(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in keep))
+
+    # --- the loop ---------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        if self.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.models is None:  # still loading: no step to finish, nothing to save
+            tqdm.write(f"{name}: stopped before the first step; nothing was saved")
+            raise SystemExit(128 + signum)
+        tqdm.write(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+
+    def steps(self, start: int):
+        """The steps left to train, behind the progress bar; each step's wall time is kept."""
+        steps = range(start + 1, self.args.steps + 1)
+        self.bar = tqdm(
+            steps, initial=start, total=self.args.steps, desc=self.algo, dynamic_ncols=True
+        )
+        for step in self.bar:
+            self.step_start = time.perf_counter()
+            yield step
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.logger.log(step, metrics)
+        if "eval/greedy_acc" in metrics:
+            tqdm.write(
+                f"step {step}: held-out greedy acc {metrics['eval/greedy_acc']:.3f}, "
+                f"sampled acc {metrics['eval/sampled_acc']:.3f}"
+            )
+        timeouts = metrics.get("grader_timeouts", 0) + metrics.get("eval/grader_timeouts", 0)
+        if timeouts and not self._said_timeouts:  # once a run: the counts are in metrics.jsonl
+            self._said_timeouts = True
+            warn(
+                f"step {step}: {timeouts} grade(s) ran out of --grader-timeout "
+                f"({self.args.grader_timeout} s) and counted as wrong, so rewards and accuracy "
+                f"depend on this machine's speed and load (grader_timeouts in metrics.jsonl); "
+                f"a larger --grader-timeout makes them less so"
+            )
+
+    def end_step(self, step: int, metrics: dict) -> None:
+        """Log the step, update the bar, warn if nothing can be learned, save when due or asked."""
+        seconds = time.perf_counter() - self.step_start
+        metrics = {**metrics, "time/step": seconds}
+        metrics["tokens_per_s"] = metrics.get("tokens", 0) / seconds  # completion tokens sampled
+        self.log(step, metrics)
+        self.last_metrics = metrics
+        if self.bar is not None:
+            shown = {s: metrics[k] for k, s in BAR_FIGURES.items() if k in metrics}
+            self.bar.set_postfix(
+                {s: f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}" for s, v in shown.items()}
+            )
+        self._check_signal(metrics)
+        if step % self.args.save_every == 0 or step == self.args.steps or self.stop_signal:
+            path = self.save(step)
+            if self.stop_signal:
+                tqdm.write(
+                    f"stopped: saved {path}; continue with: python {self.algo}.py --resume "
+                    f"{self.dir}"
+                )
+                raise SystemExit(128 + self.stop_signal)
+
+    def _check_signal(self, m: dict) -> None:
+        """A run whose rewards never differ within a group learns nothing: say so, and why."""
+        silent = m.get("unparsable_frac", 0) >= 0.9 or m.get("zero_std_frac", 0) >= 0.9
+        self._stalled = self._stalled + 1 if silent else 0
+        if self._stalled == STALL_STEPS:
+            warn(
+                f"{STALL_STEPS} steps in a row with almost no learning signal ("
+                f"{m.get('unparsable_frac', 0):.0%} of completions had no parsable answer, "
+                f"{m.get('zero_std_frac', 0):.0%} of groups had equal rewards, "
+                f"{m.get('truncated_frac', 0):.0%} were cut off). Likely: the answer is not in "
+                f"\\boxed{{}} (check --template, or --answer-extraction math_verify), completions "
+                f"are cut off (raise --max-new-tokens), or the task is too hard or too easy"
+            )
+
+    def save(self, step: int) -> Path:
+        for name, model in self.models.items():
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                raise UserError(
+                    f"the weights of {name or 'the policy'} are not finite at step "
+                    f"{step}; not saved; {last_saved(self.dir)}"
+                )
+        small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
+        big = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" in k}
+        trainer_state = {
+            "step": step,
+            "rng": rng_state(),
+            "args": saved_args(self.args, self.algo),
+            **small,
+        }
+        self.saving = step  # for the line of a second Ctrl-C
+        path = save_checkpoint(
+            self.dir,
+            step,
+            self.models,
+            self.tokenizer,
+            trainer_state,
+            big,
+            self.args.keep_checkpoints,
+        )
+        self.saving = None
+        return path
+
+    def write_samples(
+        self, step: int, tokenizer, batch: dict, rewards, advantages, per_token: dict, k: int = 4
+    ) -> Path:
+        """runs/<run>/samples/step-<N>.html: k completions, each token coloured by one of the
+        algorithm's per-token quantities (a menu switches between them), every value on hover."""
+        rows = []
+        for b in range(min(k, len(batch["texts"]))):
+            n, ids = int(batch["mask"][b].sum()), batch["completion_ids"][b].tolist()
+            header = f"reward {float(rewards[b]):+.3f}" + (
+                f"   advantage {float(advantages[b]):+.3f}" if advantages.dim() == 1 else ""
+            )
+            rows.append(
+                {
+                    "header": header,
+                    "prompt": batch["prompts"][b],
+                    "tokens": [tokenizer.decode([i]) for i in ids[:n]],
+                    "values": {
+                        q: [float(x) for x in v[b, :n].tolist()] for q, v in per_token.items()
+                    },
+                }
+            )
+        path = self.dir / "samples" / f"step-{step}.html"
+        with writing(path.name, path.parent.parent):
+            path.parent.mkdir(exist_ok=True)
+        write_text(path, token_html(f"{self.algo} run {self.dir.name}, step {step}", rows))
+        return path
+
+    # --- the end ----------------------------------------------------------------------
+    def finish(self) -> dict:
+        self.close()
+        summary = {"run_dir": str(self.dir), "steps": self.args.steps}
+        evals = [m for m in read_metrics(self.dir) if "eval/sampled_acc" in m]
+        if evals:
+            summary["first_eval"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
+            summary["last_eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+        if self.last_metrics:
+            summary["last_step"] = {
+                k: _json_value(v) for k, v in self.last_metrics.items() if isinstance(v, float)
+            }
+        write_text(self.dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
+        print(f"\ndone: {self.args.steps} steps, run folder {self.dir}")
+        if evals:
+            f, last = evals[0], evals[-1]
+            print(
+                f"held-out accuracy  greedy {f['eval/greedy_acc']:.3f} -> "
+                f"{last['eval/greedy_acc']:.3f}   sampled {f['eval/sampled_acc']:.3f} -> "
+                f"{last['eval/sampled_acc']:.3f}"
+            )
+        return summary
+
+    # --- a stop that is no UserError -------------------------------------------------------
+    def blew_up(self) -> str:
+        """The line for a policy whose sampling met inf / nan probabilities (torch.multinomial's
+        RuntimeError): its weights, finite when saved, have grown past what softmax can take."""
+        step = self.bar.n + 1 if self.bar is not None else 0  # the bar counts the steps done
+        return (
+            f"the policy blew up at step {step}: its next-token probabilities are inf or nan, "
+            f"as a too high learning rate makes them (--lr {self.args.lr:g}); "
+            f"{last_saved(self.dir)}; start a new run with a lower --lr"
+        )
+
+    def interrupted(self) -> str:
+        """The line for a second Ctrl-C, which may land in the middle of a save: what that save
+        left half-done is cleaned as --resume would clean it, and the checkpoint it resumes from,
+        whole, is named."""
+        with contextlib.suppress(OSError):
+            clean_leftovers(self.dir)
+        during = f" while saving checkpoint-{self.saving}" if self.saving is not None else ""
+        then = "start it again from step 0" if unsaved(self.dir) else "continue"
+        return (
+            f"stopped by a second Ctrl-C{during}: {last_saved(self.dir)}; {then} with: "
+            f"python {self.algo}.py --resume {self.dir}"
+        )
+
+    def close(self) -> None:
+        if self not in _ACTIVE_RUNS:
+            return
+        _ACTIVE_RUNS.remove(self)
+        if self.bar is not None:
+            self.bar.close()
+        if self.logger is not None:
+            self.logger.close()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self.lock is None:
+            return
+        unstarted = self.made and self.models is None
+        if unstarted:  # what _open wrote: the run never began, the folder is no run's
+            for name in ("args.json", "metrics.jsonl"):
+                with contextlib.suppress(OSError):
+                    (self.dir / name).unlink()
+            shutil.rmtree(self.dir / "tb", ignore_errors=True)
+        self.lock.close()  # removes .lock and releases it
+        if unstarted:
+            with contextlib.suppress(OSError):  # anything else in it (someone's file) keeps it
+                self.dir.rmdir()
+
+
+def _blown_up(e: BaseException) -> bool:
+    """torch.multinomial's error for inf, nan or negative probabilities: sampling from a model
+    whose logits are no longer finite."""
+    return isinstance(e, RuntimeError) and "probability tensor contains either" in str(e)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Around a script's main: a UserError is one line on stderr and exit code 2, and so is a
+    policy that blew up in a run; a second Ctrl-C in a run is one line and exit code 130.
+    Whatever happens, open runs close (log files, signal handlers, the folder's lock)."""
+    try:
+        yield
+    except UserError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
+        raise SystemExit(2) from None
+    except RuntimeError as e:
+        if not (_blown_up(e) and _ACTIVE_RUNS):
+            raise
+        print("error: " + _ACTIVE_RUNS[-1].blew_up(), file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        if not _ACTIVE_RUNS:
+            raise
+        print(_ACTIVE_RUNS[-1].interrupted(), file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        for run in list(_ACTIVE_RUNS):
+            run.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 # Before torch loads OpenMP: its idle threads then sleep instead of spinning, so a run keeps its
 # pace beside another job (tools/bench.py, docs/speed.md). An OMP_WAIT_POLICY already set wins.
@@ -45,8 +46,6 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
-import harness
-import tasks
 from common import UserError, arg
 
 ALGO = "dapo"
@@ -59,23 +58,23 @@ ALGO = "dapo"
 class Args(common.RunArgs):
     clip_low: float = arg(0.2, "eps_low: the ratio is clipped below at 1 - eps_low")
     clip_high: float = arg(0.28, "eps_high: the ratio is clipped above at 1 + eps_high")
-    overlong_cache: int | None = arg(
-        None,
-        "L_cache: the length penalty ramps over the last L_cache tokens before --max-new-tokens",
+    overlong_cache: int = arg(
+        8,
+        "L_cache: the length penalty ramps over the last L_cache tokens before --max-new-tokens "
+        "(the cpu preset's: 16, the gpu preset's: 600)",
     )
     max_gen_rounds: int = arg(4, "dynamic sampling: at most this many generation rounds a step")
 
 
 # DAPO: L_cache by scale; the real run as the paper's, 16 prompts x 16, 20 warm-up steps
 PRESETS = common.presets(
-    tiny=dict(overlong_cache=8),
     cpu=dict(overlong_cache=16),
     gpu=dict(prompts_per_step=16, group_size=16, overlong_cache=600, warmup_steps=20),
 )
 
 
 def resolve_args(args: Args) -> Args:
-    """The preset's value for every flag left unset, then every flag checked."""
+    """The preset's value for every flag not passed, then every flag checked."""
     common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     common.check_args(
         args,
@@ -117,7 +116,7 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     it is compared with math-verify, gold first, each parse and comparison time-bounded, and
     model text is never executed."""
     grades = [
-        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        common.grade(t, a, args.grader_timeout, args.answer_extraction)
         for t, a in zip(texts, answers)
     ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
@@ -238,7 +237,7 @@ def dapo_stats(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28) -
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = harness.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
+    run = common.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
@@ -246,7 +245,7 @@ def train(args: Args) -> dict:
     eos_ids = eos_token_ids(policy, tokenizer)  # DAPO: no reference model
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)
-    sampler = tasks.PromptSampler(len(train_rows), args.seed)
+    sampler = common.PromptSampler(train_rows, args.seed, args.dataset)
     state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler)
     start = run.attach({"": policy}, tokenizer, state)  # what a checkpoint holds
     if start == 0 and eval_rows:
@@ -254,7 +253,6 @@ def train(args: Args) -> dict:
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
-        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
         # 1. DAPO: dynamic sampling. Rounds of P prompts x G completions, each scored (with the
         #    overlong penalty); groups with mixed outcomes are kept until there are P of them
         sampled = []
@@ -263,11 +261,9 @@ def train(args: Args) -> dict:
             rows = [train_rows[i] for i in sampler.take(P)]
             prompts = [r["prompt"] for r in rows]
             b = generate_rollouts(policy, tokenizer, prompts, G, args, eos_ids, device)
-            clock.lap("generate")
             answers = [r["answer"] for r in rows for _ in range(G)]
             lengths = b["mask"].sum(1)
             b["rewards"], b["correct"], b["parsed"] = reward_fn(b["texts"], answers, lengths, args)
-            clock.lap("reward")
             sampled.append(b)
             return b
 
@@ -275,12 +271,9 @@ def train(args: Args) -> dict:
 
         # 2. The group-relative advantage A_i on the kept groups (one value per completion)
         advantages = group_advantages(batch["rewards"], G).to(device)  # [B]
-        run.observe("rollout", batch=batch, correct=batch["correct"], advantages=advantages)
-        clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch); DAPO: no reference model
-        old_logp, old_entropy, _ = batch_logps(policy, batch, args)  # [B, T] each
-        clock.lap("old_logp")
+        old_logp, old_entropy = batch_logps(policy, batch, args)  # [B, T] each
 
         # 4. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
         #    each; a mini-batch's gradient is accumulated over micro-batches
@@ -292,28 +285,23 @@ def train(args: Args) -> dict:
                 loss_sum = 0.0
                 num_tokens = batch["mask"][mini].sum().item()  # DAPO: the mini-batch's tokens
                 for mb in micro_batches(batch, mini, args.micro_batch_size):
-                    logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
-                    A, m = advantages[mb], batch["mask"][mb]
-                    loss = dapo_loss(
-                        logp,
-                        old_logp[mb],
-                        A,
-                        m,
-                        args.clip_low,
-                        args.clip_high,
-                        num_tokens=num_tokens,
+                    logp = token_logps(policy, batch, mb, args).logp  # [b, T]
+                    terms = dict(
+                        logp=logp,
+                        old_logp=old_logp[mb],
+                        advantages=advantages[mb],
+                        mask=batch["mask"][mb],
+                        clip_low=args.clip_low,
+                        clip_high=args.clip_high,
                     )
+                    loss = dapo_loss(**terms, num_tokens=num_tokens)
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     loss_sum += loss.item()
-                    stats.append(
-                        dapo_stats(logp, old_logp[mb], A, m, args.clip_low, args.clip_high)
-                    )
-                    run.observe("update", rows=mb, logp=logp, old_logp=old_logp[mb])
+                    stats.append(dapo_stats(**terms))
                 step_stats = common.optimizer_step(
                     optimizer, scheduler, params, args.max_grad_norm, loss_sum
                 )
                 stats.append({"loss": loss_sum, **step_stats})
-        clock.lap("update")
 
         # 5. Metrics (DAPO: reward and accuracy over every sampled completion, kept or not),
         #    samples, held-out evaluation, checkpoint
@@ -327,7 +315,6 @@ def train(args: Args) -> dict:
             "dropped_groups": ds_info["dropped_groups"],
             "gen_rounds": ds_info["rounds"],
             "lr": scheduler.get_last_lr()[0],
-            **clock.metrics(tokens=batch["mask"].sum().item()),
         }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, batch["rewards"])
@@ -445,38 +432,10 @@ def add_lora(model, base: str, args, adapter: str | None = None):
     return model
 
 
-class AdapterOff:
-    """pi_ref under LoRA: the policy's own base weights, which never change, seen with its
-    adapters switched off for the pass: no second model in memory. It offers what batch_logps
-    uses of a model."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def eval(self):
-        self.policy.eval()
-
-    def get_decoder(self):
-        def without_adapters(**inputs):
-            with self.policy.disable_adapter():
-                return self.policy.get_decoder()(**inputs)
-
-        return without_adapters
-
-    def get_output_embeddings(self):
-        def without_adapters(h):
-            with self.policy.disable_adapter():
-                return self.policy.get_output_embeddings()(h)
-
-        return without_adapters
-
-
-def load_reference(policy, device: torch.device, args):
-    """pi_ref, the frozen starting model: with --lora-rank the policy with its adapters off, else a
-    second copy loaded from --model."""
-    if args.lora_rank:
-        return AdapterOff(policy)
-    return load_model(args.model, device, args, trainable=False)
+def load_reference(device: torch.device, args):
+    """pi_ref, the frozen starting model: a second copy loaded from --model; under --lora-rank
+    none, since the policy with its adapters switched off is pi_ref (reference_logps)."""
+    return None if args.lora_rank else load_model(args.model, device, args, trainable=False)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -501,9 +460,9 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
     --problem-column / --answer-column apply to the training set only."""
     cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset
+    rows = common.load_problems(dataset, split, *cols, limit=limit)  # the same for every seed
     for r in rows:
-        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
+        r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
     ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
@@ -629,28 +588,27 @@ def micro_batches(batch, rows, size: int):
 
 
 # ----- Log-probs -----------------------------------------------------------------------------
-def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
-    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
-    extra(logits, ids) [N] (both no grad), from logits / temperature."""
-    logits = lm_head(h).float() / temperature  # [N, V]
+class LogProbs(NamedTuple):
+    logp: torch.Tensor  # [b, T] log-prob of each sampled token, from logits / temperature
+    entropy: torch.Tensor | None  # [b, T] entropy of each next-token distribution (no grad)
+
+
+def logp_and_entropy(logits, ids, with_entropy: bool = True) -> LogProbs:
+    """[N, V] logits / temperature (the distribution that was sampled), [N] sampled ids -> the
+    log-prob of each id [N] and the entropy of each distribution [N] (no grad; when asked)."""
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
     with torch.no_grad():
         entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
-        extra_value = extra(logits, ids) if extra is not None else None
-    return logp, entropy, extra_value
+    return LogProbs(logp, entropy)
 
 
-def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
-    """Log-prob of each completion token [b, T] and the entropy of the full next-token
-    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
-    distribution that was sampled. Position ids follow the left padding, as in generate.
-    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
-    positions at a time and is recomputed in the backward pass, so memory holds one chunk
-    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
-    Padded positions are 0 in every output."""
+def hidden_states(model, batch, rows, args):
+    """The last hidden state at each position that predicts a completion token of `rows` [N, H],
+    that token's id [N], and where it sits in the batch's [B, T]: (row, column) index tensors.
+    Position ids follow the left padding, as in generate."""
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
-    ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
+    valid = batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
         hidden = model.get_decoder()(
             input_ids=input_ids,
@@ -658,51 +616,77 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
-    lm_head, outs = model.get_output_embeddings(), []
+    r, c = valid.nonzero(as_tuple=True)
+    h = hidden[:, -T - 1 : -1][valid]  # position t predicts completion token t + 1
+    return h, batch["completion_ids"][rows, :T][valid], (rows[r], c)
+
+
+def _chunk_logps(h, lm_head, ids, temperature: float, with_entropy: bool):
+    return logp_and_entropy(lm_head(h).float() / temperature, ids, with_entropy)
+
+
+def token_logps(model, batch, rows, args, with_entropy=False, chunk=1024) -> LogProbs:
+    """Log-probs [b, T] (and entropies) of the completion tokens of `rows`, in their order, with
+    grad. The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
+    positions at a time and is recomputed in the backward pass, so memory holds one chunk of
+    logits (a 3000-token completion over a 152k vocabulary would be ~2 GB a copy). Padded
+    positions are 0."""
+    h, ids, _ = hidden_states(model, batch, rows, args)
+    lm_head, parts = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (
-            h[i : i + chunk],
-            lm_head,
-            ids[valid][i : i + chunk],
-            args.temperature,
-            with_entropy,
-            extra,
-        )
+        inputs = (h[i : i + chunk], lm_head, ids[i : i + chunk], args.temperature, with_entropy)
         with autocast(args):
-            outs.append(
-                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                if torch.is_grad_enabled()
-                else _logp_entropy_chunk(*args_i)
-            )
+            if torch.is_grad_enabled():  # recomputed in the backward pass: one chunk in memory
+                parts.append(checkpoint(_chunk_logps, *inputs, use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(*inputs))
+    full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
 
-    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
-        if outs and outs[0][k] is None:
-            return None
-        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-        full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
-        zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
-        return zeros.masked_scatter(full, flat)
+    def scatter(values):  # [N] values at the valid positions -> [b, T], 0 at padding
+        zeros = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
+        return zeros.masked_scatter(full, torch.cat(values)) if values else zeros
 
-    return scatter(0), scatter(1), scatter(2)
+    entropy = scatter([p.entropy for p in parts]) if with_entropy else None
+    return LogProbs(scatter([p.logp for p in parts]), entropy)
 
 
 @torch.no_grad()
-def batch_logps(model, batch: dict, args, extra=None):
-    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
+def sampled_logits(model, batch: dict, args, chunk=1024):
+    """The whole batch, micro-batch by micro-batch, no grad: yields (where, logits, ids) for at
+    most `chunk` completion tokens at a time: where they sit in the batch's [B, T] ((row, column)
+    index tensors), logits / temperature [N, V] of the distribution each was sampled from, and
+    their ids [N]. The [B, T, V] logits are never built whole."""
     model.eval()
-    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
-        zero = batch["mask"].float()
-        return zero, zero, zero if extra is not None else None
     rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
-    mbs = micro_batches(batch, rows, args.micro_batch_size)
-    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
-    order = torch.cat(mbs).argsort()  # back to the batch's row order
+    for mb in micro_batches(batch, rows, args.micro_batch_size) if len(rows) else ():  # DAPO: 0
+        h, ids, (r, c) = hidden_states(model, batch, mb, args)
+        for i in range(0, len(h), chunk):
+            with autocast(args):
+                logits = model.get_output_embeddings()(h[i : i + chunk]).float()
+            yield (
+                (r[i : i + chunk], c[i : i + chunk]),
+                logits / args.temperature,
+                ids[i : i + chunk],
+            )
 
-    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
-        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
 
-    return joined(0), joined(1), joined(2)
+def batch_logps(model, batch: dict, args) -> LogProbs:
+    """No grad: log-probs and entropies [B, T] of every completion token of the batch."""
+    logp = torch.zeros(batch["mask"].shape, device=batch["mask"].device)
+    entropy = torch.zeros_like(logp)
+    for where, logits, ids in sampled_logits(model, batch, args):
+        logp[where], entropy[where] = logp_and_entropy(logits, ids)
+    return LogProbs(logp, entropy)
+
+
+@torch.no_grad()
+def reference_logps(policy, ref, batch: dict, args) -> LogProbs:
+    """batch_logps under pi_ref: the frozen copy `ref`, or under --lora-rank the policy itself
+    with its adapters switched off (PEFT's disable_adapter), so no second model is in memory."""
+    if ref is not None:
+        return batch_logps(ref, batch, args)
+    with policy.disable_adapter():
+        return batch_logps(policy, batch, args)
 
 
 # ----- Evaluation, samples, metrics ----------------------------------------------------------
@@ -736,14 +720,14 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             grades = [
-                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
                 for t, p in zip(texts, chunk)
             ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
         out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
-    out["eval/grader_timeouts"] = tasks.take_timeouts()  # greedy and sampled, counted wrong
+    out["eval/grader_timeouts"] = common.take_timeouts()  # greedy and sampled, counted wrong
     return out
 
 
@@ -763,16 +747,17 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
         "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
         "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
         "completions": len(m),
+        "tokens": m.sum().item(),
         "completion_len": m.sum(1).float().mean().item(),
         "completion_len_max": m.sum(1).max().item() if len(m) else 0,
         "truncated_frac": batch["truncated"].float().mean().item(),
-        "grader_timeouts": tasks.take_timeouts(),  # grades cut off by --grader-timeout: wrong
+        "grader_timeouts": common.take_timeouts(),  # grades cut off by --grader-timeout: wrong
     }
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv)
-    with harness.user_errors():
+    args = common.parse_args(Args, argv, __doc__, PRESETS)
+    with common.user_errors():
         return train(args)
 
 

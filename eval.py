@@ -11,11 +11,11 @@
     python eval.py --model Qwen2.5-Math-1.5B --benchmarks my.jsonl \\
         --problem-column question --answer-column answer
 
-Per benchmark: prompts go through the template (tasks.build_prompt); Hugging Face `generate` runs
+Per benchmark: prompts go through the template (common.build_prompt); Hugging Face `generate` runs
 batches of similar-length prompts (left padding) and stops on every EOS id the model uses (tokenizer
-EOS, generation_config EOS list, `<|im_end|>`); tasks.grade checks the completion's answer against
+EOS, generation_config EOS list, `<|im_end|>`); common.grade checks the completion's answer against
 the gold answer with math-verify (gold first, time-bounded, never eval()). --answer-extraction picks
-the answer: `boxed` (the default) the last \\boxed{} (tasks.grade has a rule for several boxes);
+the answer: `boxed` (the default) the last \\boxed{} (common.grade has a rule for several boxes);
 `math_verify` math-verify's own extraction of the final answer from the whole text (for models that
 end with "The answer is: 42" or "#### 42").
 
@@ -60,6 +60,7 @@ version (--seed, --gen-batch-size, --dtype and --device may change).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -84,20 +85,23 @@ import torch
 from tqdm import tqdm
 
 import common
-import harness
 from common import (
+    BUNDLED,
     ROOT,
+    TEMPLATES,
     TINY_MODEL_DIR,
     UserError,
     arg,
+    build_prompt,
     check_model_folder,
     first_line,
+    flag,
+    grade,
     is_tiny,
+    load_problems,
     resolve_device,
     resolve_model_name,
-    seed_everything,
 )
-from tasks import GENERATED, TEMPLATES, build_prompt, grade, load_problems
 
 
 # =====================================================================================
@@ -121,7 +125,9 @@ BENCHMARKS = {
     "gsm8k": Benchmark("openai/gsm8k", "main", "test", "question", "answer"),
 }
 KNOWN = ", ".join(["tiny", "words", *BENCHMARKS])
-SUBSET_SEED = 0  # --eval-n picks the same problems whatever --seed is, so runs stay comparable
+# --eval-n picks the same problems whatever --seed is, so runs stay comparable (common.load_problems
+# samples files and hub sets with this seed too; of a bundled set it takes the first rows)
+SUBSET_SEED = 0
 
 
 # The flags are spelled as the training scripts spell the same settings (--eval-n, --gen-batch-size;
@@ -154,7 +160,7 @@ class Args:
     eval_n: int | None = arg(
         None,
         "problems per benchmark: a fixed random subset of this many, "
-        "the same whatever --seed; unset: all",
+        "the same whatever --seed; unset: all (also --limit)",
         aliases=["--limit"],
     )
     template: str | None = arg(
@@ -180,7 +186,7 @@ class Args:
         None, "generation budget per sample; unset: 48 for the tiny model, else 3000"
     )
     gen_batch_size: int = arg(
-        64, "completions per generate() call", aliases=["--batch-size", "--batch_size"]
+        64, "completions per generate() call (also --batch-size)", aliases=["--batch-size"]
     )
     device: str = arg("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = arg("auto", "auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32")
@@ -224,9 +230,9 @@ def file_label(path: Path) -> str:
 
 def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
     """(label used in file names, where it came from, [{'problem', 'answer'}])."""
-    if name in GENERATED:  # the held-out split of a task made here (tiny, words), always the same
+    if name in BUNDLED:  # the held-out split of a bundled set (tiny, words), always the same
         problems = load_problems(name, "test", limit=args.eval_n)
-        return name, f"tasks.{GENERATED[name].__name__}('test')", problems
+        return name, str((common.DATA / name / "test.jsonl").relative_to(ROOT)), problems
     import datasets  # heavy, so only imported once a hub or file data set is asked for
 
     datasets.disable_progress_bars()  # benchmarks are small; the bars would only clutter stderr
@@ -264,7 +270,6 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
             args.problem_column,
             args.answer_column,
             limit=args.eval_n,
-            seed=SUBSET_SEED,
         )
         if path.suffix:
             return file_label(path), str(path.resolve()), rows
@@ -306,11 +311,11 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
         else path
     )
     for folder in dict.fromkeys([path, base]):  # weights cut short: one line naming the file
-        damage = harness.damaged_weights(Path(folder)) if Path(folder).is_dir() else None
+        damage = common.damaged_weights(Path(folder)) if Path(folder).is_dir() else None
         if damage:
             raise UserError(f"cannot load model {path!r}: {damage}")
-    if adapter.is_file() and not Path(base or "").is_dir():  # adapters on a hub model
-        common.check_hub(base)
+    if adapter.is_file() and base and not Path(base).is_dir():  # adapters on a hub model
+        check_model_folder(base)  # in the local cache, or the hub within reach
     try:
         tok = AutoTokenizer.from_pretrained(
             path, padding_side="left", trust_remote_code=trust_remote_code
@@ -622,10 +627,9 @@ def run_benchmark(
     }
     # The settings reach the disk before any sample does, so that a --resume after a crash can
     # check it continues the same evaluation.
-    with harness.writing(result_path.name, result_path.parent):
-        result_path.write_text(json.dumps(result, indent=2) + "\n")
-        with open(samples_path, "w") as f:  # rewritten: only the rows that still count stay
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    common.write_text(result_path, json.dumps(result, indent=2) + "\n")  # whole or not at all
+    # rewritten, whole or not at all: only the rows that still count stay
+    common.write_text(samples_path, "".join(json.dumps(r) + "\n" for r in rows))
     done = {(r["idx"], r["sample"]) for r in rows}
     todo = [(i, s) for i in range(len(problems)) for s in range(args.n) if (i, s) not in done]
     if rows:
@@ -634,7 +638,8 @@ def run_benchmark(
     # memory happens in the first batch rather than an hour in.
     todo.sort(key=lambda t: (-len(prompt_ids[t[0]]), t))
 
-    seed_everything(args.seed)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # also seeds every CUDA device
     t0, n_tokens, n_correct = time.time(), 0, 0
     bar = tqdm(total=len(todo), desc=label, dynamic_ncols=True)
     with open(samples_path, "a") as f:
@@ -668,7 +673,7 @@ def run_benchmark(
                 }
                 rows.append(row)
                 n_tokens, n_correct = n_tokens + n_tok, n_correct + g.correct
-            with harness.writing(samples_path.name, samples_path.parent):
+            with common.writing(samples_path.name, samples_path.parent):
                 f.writelines(json.dumps(r) + "\n" for r in rows[-len(batch) :])
                 f.flush()  # a crash loses at most one batch; --resume picks up from here
             bar.update(len(batch))
@@ -685,8 +690,7 @@ def run_benchmark(
         metrics=compute_metrics(rows, len(problems), args.n, settings["ks"], decoding["greedy"]),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-    with harness.writing(result_path.name, result_path.parent):
-        result_path.write_text(json.dumps(result, indent=2) + "\n")
+    common.write_text(result_path, json.dumps(result, indent=2) + "\n")  # a kill keeps the old
     return result
 
 
@@ -701,7 +705,7 @@ def run_checkpoint(model_path: str) -> str:
     is_model = any((folder / f).is_file() for f in ("config.json", "adapter_config.json"))
     if not folder.is_dir() or is_model:
         return model_path
-    whole = harness.whole_checkpoints(folder)
+    whole = common.whole_checkpoints(folder)
     if not whole:
         if (folder / "args.json").is_file() or (folder / "latest").is_file():
             raise UserError(
@@ -709,7 +713,7 @@ def run_checkpoint(model_path: str) -> str:
                 f"to score (its run saves one every --save-every steps)"
             )
         return model_path  # not a run's: check_model_folder says what it lacks
-    ckpt = harness.find_checkpoint(folder) if (folder / "latest").is_file() else whole[0]
+    ckpt = common.find_checkpoint(folder) if (folder / "latest").is_file() else whole[0]
     print(f"{model_path} is a training run folder: scoring its latest whole checkpoint, {ckpt}")
     return str(ckpt)
 
@@ -800,24 +804,32 @@ def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
         if b.strip()
     ]
     template = args.template or ("tiny" if tiny else "qwen_math")
-    max_new = args.max_new_tokens or (48 if tiny else 3000)
+    max_new = args.max_new_tokens
+    if max_new is None:  # (not `or`: --max-new-tokens 0 is an error, not the default)
+        max_new = 48 if tiny else 3000
     greedy = args.temperature == 0
     try:
         ks = sorted({int(k) for k in args.pass_k.split(",") if k.strip()})
     except ValueError:
         raise UserError(f"--pass-k must be comma-separated integers, got {args.pass_k!r}") from None
     # Every flag is checked before anything loads, as in the training scripts: each float flag
-    # for finiteness (--temperature nan would pass `< 0`), then for its range.
-    common.check_finite(args)
-    counts = (args.n, args.gen_batch_size, max_new, *ks, 1 if args.eval_n is None else args.eval_n)
+    # for finiteness (--temperature nan would pass `< 0`), then for its range. An error names the
+    # flag as it was typed: --limit and --batch-size are eval.py's first spellings.
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{typed(args, f.name)} must be a finite number, not {value}")
+    counts = {"n": args.n, "gen_batch_size": args.gen_batch_size, "max_new_tokens": max_new}
+    counts["eval_n"] = args.eval_n
     for message, ok in {
         f"unknown --template {template!r}; choose from {', '.join(TEMPLATES)}": template
         in TEMPLATES,
         f"--benchmarks is empty; known: {KNOWN}": bool(names),
-        "--n, --gen-batch-size, --max-new-tokens, --eval-n and --pass-k values must be >= 1": min(
-            counts
-        )
-        >= 1,
+        **{
+            f"{typed(args, k)} must be at least 1, not {v}": v is None or v >= 1
+            for k, v in counts.items()
+        },
+        f"--pass-k values must be at least 1, not {ks[0] if ks else 1}": not ks or ks[0] >= 1,
         f"--temperature must be >= 0, not {args.temperature}": args.temperature >= 0,
         f"--top-p must be in (0, 1], not {args.top_p}": 0 < args.top_p <= 1,
         "--n > 1 with greedy decoding gives n identical samples; set --temperature > 0": not (
@@ -868,7 +880,7 @@ def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --output-dir {out_dir}: {first_line(e)}") from None
-    lock = harness.lock_run_folder(out_dir, "--output-dir", "--output-dir")  # one eval.py at a time
+    lock = common.lock_run_folder(out_dir, "--output-dir", "--output-dir")  # one eval.py at a time
     if lock is not None:
         held.callback(lock.close)
     if args.resume:  # all benchmarks are checked before the first one generates, not an hour in
@@ -933,7 +945,7 @@ def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
     ]
 
     table = markdown_table(results)
-    with harness.writing(f"results.{tag}.md", out_dir):
+    with common.writing(f"results.{tag}.md", out_dir):
         (out_dir / f"results.{tag}.md").write_text(table + "\n")
     print(
         f"\n{model_path} ({tag}, answer extraction {args.answer_extraction}, grader "
@@ -943,13 +955,36 @@ def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    """The command line; an unknown flag prints the usage line and one error line, exit 2."""
-    return common.parse_args(Args, argv)
+    """The command line; an unknown flag prints the usage line and one error line, exit 2. The
+    first spellings (--limit, --batch-size) are read as the flags they became; how each flag was
+    typed is kept in `args.spelled`, for its error to name it so (typed)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fields = dataclasses.fields(Args)
+    aliases = {flag(a[2:]): f.name for f in fields for a in f.metadata.get("aliases", ())}
+    spellings = {flag(f.name): f.name for f in fields} | aliases
+    spelled = {}
+    for i, a in enumerate(argv):
+        if a == "--":  # what follows is no flag
+            break
+        name, eq, value = a.partition("=")
+        name = flag(name[2:]) if a.startswith("--") else name
+        if name in spellings:  # the last one typed counts, as its value does
+            spelled[spellings[name]] = name
+        if name in aliases:
+            argv[i] = flag(aliases[name]) + eq + value
+    args = common.parse_args(Args, argv, __doc__)
+    args.spelled = spelled
+    return args
+
+
+def typed(args: Args, name: str) -> str:
+    """The flag of field `name` as the user typed it (--limit for eval_n), else its own."""
+    return getattr(args, "spelled", {}).get(name, flag(name))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with harness.user_errors():  # as the training scripts: a UserError is one line, exit 2
+    with common.user_errors():  # as the training scripts: a UserError is one line, exit 2
         evaluate(args)
     return 0
 

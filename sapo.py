@@ -41,6 +41,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 # Before torch loads OpenMP: its idle threads then sleep instead of spinning, so a run keeps its
 # pace beside another job (tools/bench.py, docs/speed.md). An OMP_WAIT_POLICY already set wins.
@@ -59,8 +60,6 @@ from transformers import (
 )
 
 import common
-import harness
-import tasks
 from common import UserError, arg
 
 ALGO = "sapo"
@@ -71,6 +70,10 @@ ALGO = "sapo"
 # =====================================================================================
 @dataclass
 class Args(common.RunArgs):
+    prompts_per_step: int = arg(128, "P, prompts per rollout batch (SAPO: one completion each)")
+    group_size: int = arg(
+        1, "G, completions per prompt: 1, since a critic, not a group, is the baseline"
+    )
     clip_low: float = arg(0.2, "eps_low: the segment ratio is clipped below at 1 - eps_low")
     clip_high: float = arg(
         0.28,
@@ -91,9 +94,7 @@ class Args(common.RunArgs):
     critic_model: str | None = arg(
         None, "model the critic starts from (default: --model); it must use the policy's tokenizer"
     )
-    critic_lr: float | None = arg(
-        None, "critic AdamW learning rate (the paper: 2e-6 with --lr 1e-6)"
-    )
+    critic_lr: float = arg(4e-4, "critic AdamW learning rate (the paper: 2e-6 with --lr 1e-6)")
     value_at: str = arg(
         "start",
         "V(s_m) at the segment's first token (start: the paper's state "
@@ -101,26 +102,24 @@ class Args(common.RunArgs):
         choices=["start", "end"],
     )
     value_clip: float = arg(0.5, "the value loss clips V - V_old to [-value_clip, value_clip]")
-    overlong_cache: int | None = arg(
-        None,
+    overlong_cache: int = arg(
+        0,
         "L_cache: reward shaping of ours, not part of the objective: the reward loses up to 0.5 "
         "over the last L_cache tokens before --max-new-tokens (DAPO's soft overlong punishment "
-        "at DAPO's weight); the cpu preset's is 16, the tiny and gpu presets' 0 (off)",
+        "at DAPO's weight); 0: off; the cpu preset's is 16",
     )
 
 
 # SAPO: one completion per prompt, so as many prompts as the others' completions (the paper's
 # 512 ran on 8 GPUs); the critic's lr twice the policy's, as in the paper (Table 7)
 PRESETS = common.presets(
-    every=dict(group_size=1),
-    tiny=dict(prompts_per_step=128, critic_lr=4e-4),
     cpu=dict(prompts_per_step=32, critic_lr=6e-5),
     gpu=dict(prompts_per_step=256, critic_lr=2e-6),
 )
 
 
 def resolve_args(args: Args) -> Args:
-    """The preset's value for every flag left unset, then every flag checked."""
+    """The preset's value for every flag not passed, then every flag checked."""
     common.resolve_run_args(args, ALGO, PRESETS, min_group=1)  # SAPO: a critic, no group
     common.check_args(
         args,
@@ -410,7 +409,7 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     r_i = correct_i + 0.5 * overlong_penalty(len_i), DAPO's penalty at DAPO's weight (there -1
     against a right/wrong gap of 2), so a completion cut off at --max-new-tokens loses 0.5."""
     grades = [
-        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        common.grade(t, a, args.grader_timeout, args.answer_extraction)
         for t, a in zip(texts, answers)
     ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
@@ -557,7 +556,7 @@ def token_values(critic, batch, rows, args):
     """The critic's value V(x, y_<t) of each completion token t, [b, T], 0 on padding: the value
     head at the input position just before token t (the last prompt token for t = 0), the
     position whose logits give logp[:, t], so it values the state in which token t is chosen.
-    Input, position ids and autocast as in token_logps_and_entropy; with grad when enabled."""
+    Input, position ids and autocast as in hidden_states; with grad when enabled."""
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
     valid = batch["mask"][rows].bool()  # [b, T]
     with autocast(args):
@@ -773,18 +772,18 @@ def value_stats(values, old_values, returns, seg_mask, clip=0.5) -> dict:
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = harness.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
+    run = common.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
     policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
-    ref = load_reference(policy, device, args) if needs_reference(args) else None  # SAPO: for r_m
+    ref = load_reference(device, args) if needs_reference(args) else None  # SAPO: for r_m
     critic = load_critic(run.weights("critic", args.critic_model), device, args, tokenizer)  # SAPO
     eos_ids = eos_token_ids(policy, tokenizer)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)
     critic_params, critic_optimizer, critic_scheduler = critic_optimizer_for(critic, args)  # SAPO
-    sampler = tasks.PromptSampler(len(train_rows), args.seed)
+    sampler = common.PromptSampler(train_rows, args.seed, args.dataset)
     state = dict(
         optimizer=optimizer,
         scheduler=scheduler,
@@ -798,32 +797,25 @@ def train(args: Args) -> dict:
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
-        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
         # 1. Rollouts: P prompts, G completions each (SAPO: G = 1); row b belongs to prompt b // G
         rows = [train_rows[i] for i in sampler.take(P)]
         prompts = [r["prompt"] for r in rows]
         batch = generate_rollouts(policy, tokenizer, prompts, G, args, eos_ids, device)
-        clock.lap("generate")
 
         # 2. Reward r_i (SAPO: the outcome, given to the completion's last segment in step 4)
         answers = [r["answer"] for r in rows for _ in range(G)]
         lengths = batch["mask"].sum(1)  # [B] completion lengths in tokens
         rewards, correct, parsed = reward_fn(batch["texts"], answers, lengths, args)  # [B] each
-        clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad
-        old_logp, old_entropy, _ = batch_logps(policy, batch, args)  # [B, T] each
-        clock.lap("old_logp")
-        ref_logp = batch_logps(ref, batch, args)[0] if ref is not None else None  # [B, T]
-        clock.lap("ref_logp")
+        old_logp, old_entropy = batch_logps(policy, batch, args)  # [B, T] each
+        ref_logp = reference_logps(policy, ref, batch, args).logp if needs_reference(args) else None
 
         # 4. SAPO: segments, old values V(s_m), segment rewards, GAE over segments -> A_m, R_m,
         #    A_m on every token of segment m, whitened over the rollout batch and clamped
         outcome = rewards.to(device)
         seg = segment_batch(critic, batch, old_logp, old_entropy, ref_logp, outcome, args)
         seg_id, seg_mask, advantages = seg["seg_id"], seg["seg_mask"], seg["advantages"]
-        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # diagnostics
-        clock.lap("advantage")
 
         # 5. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
         #    each for the policy and (SAPO) the critic; gradients accumulate over micro-batches
@@ -838,32 +830,23 @@ def train(args: Args) -> dict:
                 num_segments = seg_mask[mini].sum().item()  # SAPO: and segments (value loss)
                 loss_sum, value_loss_sum = 0.0, 0.0
                 for mb in micro_batches(batch, mini, args.micro_batch_size):
-                    m, sid, sm = batch["mask"][mb], seg_id[mb], seg_mask[mb]
-                    logp, _, _ = token_logps_and_entropy(policy, batch, mb, args, False)  # [b, T]
-                    A = advantages[mb]  # SAPO: A_m(t) [b, T]
-                    loss = sapo_policy_loss(
-                        logp,
-                        old_logp[mb],
-                        A,
-                        sid,
-                        sm,
-                        m,
-                        args.clip_low,
-                        args.clip_high,
-                        num_tokens=num_tokens,
-                    )  # SAPO: Eq. 9
+                    logp = token_logps(policy, batch, mb, args).logp  # [b, T]
+                    terms = dict(
+                        logp=logp,
+                        old_logp=old_logp[mb],
+                        advantages=advantages[mb],  # SAPO: A_m(t) [b, T]
+                        seg_id=seg_id[mb],  # SAPO
+                        seg_mask=seg_mask[mb],  # SAPO
+                        mask=batch["mask"][mb],
+                        clip_low=args.clip_low,
+                        clip_high=args.clip_high,
+                    )
+                    loss = sapo_policy_loss(**terms, num_tokens=num_tokens)  # SAPO: Eq. 9
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     value_loss, v_stats = value_backward(critic, batch, mb, seg, num_segments, args)
                     loss_sum += loss.item()
                     value_loss_sum += value_loss  # SAPO: Eq. 10's, backpropagated just above
-                    stats.append(
-                        {
-                            **sapo_stats(
-                                logp, old_logp[mb], A, sid, sm, m, args.clip_low, args.clip_high
-                            ),
-                            **v_stats,
-                        }
-                    )
+                    stats.append({**sapo_stats(**terms), **v_stats})
                 step_stats = common.optimizer_step(
                     optimizer, scheduler, params, args.max_grad_norm, loss_sum
                 )
@@ -873,7 +856,6 @@ def train(args: Args) -> dict:
                         critic_optimizer, critic_scheduler, critic_params, args, value_loss_sum
                     )
                 )  # SAPO
-        clock.lap("update")
 
         # 6. Metrics, samples, held-out evaluation, checkpoint
         metrics = {
@@ -883,7 +865,6 @@ def train(args: Args) -> dict:
             **common.reduce_stats(stats),
             "lr": scheduler.get_last_lr()[0],
             "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
-            **clock.metrics(tokens=batch["mask"].sum().item()),
         }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
@@ -1005,38 +986,10 @@ def add_lora(model, base: str, args, adapter: str | None = None):
     return model
 
 
-class AdapterOff:
-    """pi_ref under LoRA: the policy's own base weights, which never change, seen with its
-    adapters switched off for the pass: no second model in memory. It offers what batch_logps
-    uses of a model."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def eval(self):
-        self.policy.eval()
-
-    def get_decoder(self):
-        def without_adapters(**inputs):
-            with self.policy.disable_adapter():
-                return self.policy.get_decoder()(**inputs)
-
-        return without_adapters
-
-    def get_output_embeddings(self):
-        def without_adapters(h):
-            with self.policy.disable_adapter():
-                return self.policy.get_output_embeddings()(h)
-
-        return without_adapters
-
-
-def load_reference(policy, device: torch.device, args):
-    """pi_ref, the frozen starting model: with --lora-rank the policy with its adapters off, else a
-    second copy loaded from --model."""
-    if args.lora_rank:
-        return AdapterOff(policy)
-    return load_model(args.model, device, args, trainable=False)
+def load_reference(device: torch.device, args):
+    """pi_ref, the frozen starting model: a second copy loaded from --model; under --lora-rank
+    none, since the policy with its adapters switched off is pi_ref (reference_logps)."""
+    return None if args.lora_rank else load_model(args.model, device, args, trainable=False)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -1061,9 +1014,9 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
     --problem-column / --answer-column apply to the training set only."""
     cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset
+    rows = common.load_problems(dataset, split, *cols, limit=limit)  # the same for every seed
     for r in rows:
-        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
+        r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
     ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
@@ -1189,28 +1142,27 @@ def micro_batches(batch, rows, size: int):
 
 
 # ----- Log-probs -----------------------------------------------------------------------------
-def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
-    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
-    extra(logits, ids) [N] (both no grad), from logits / temperature."""
-    logits = lm_head(h).float() / temperature  # [N, V]
+class LogProbs(NamedTuple):
+    logp: torch.Tensor  # [b, T] log-prob of each sampled token, from logits / temperature
+    entropy: torch.Tensor | None  # [b, T] entropy of each next-token distribution (no grad)
+
+
+def logp_and_entropy(logits, ids, with_entropy: bool = True) -> LogProbs:
+    """[N, V] logits / temperature (the distribution that was sampled), [N] sampled ids -> the
+    log-prob of each id [N] and the entropy of each distribution [N] (no grad; when asked)."""
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
     with torch.no_grad():
         entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
-        extra_value = extra(logits, ids) if extra is not None else None
-    return logp, entropy, extra_value
+    return LogProbs(logp, entropy)
 
 
-def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
-    """Log-prob of each completion token [b, T] and the entropy of the full next-token
-    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
-    distribution that was sampled. Position ids follow the left padding, as in generate.
-    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
-    positions at a time and is recomputed in the backward pass, so memory holds one chunk
-    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
-    Padded positions are 0 in every output."""
+def hidden_states(model, batch, rows, args):
+    """The last hidden state at each position that predicts a completion token of `rows` [N, H],
+    that token's id [N], and where it sits in the batch's [B, T]: (row, column) index tensors.
+    Position ids follow the left padding, as in generate."""
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
-    ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
+    valid = batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
         hidden = model.get_decoder()(
             input_ids=input_ids,
@@ -1218,51 +1170,77 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
-    lm_head, outs = model.get_output_embeddings(), []
+    r, c = valid.nonzero(as_tuple=True)
+    h = hidden[:, -T - 1 : -1][valid]  # position t predicts completion token t + 1
+    return h, batch["completion_ids"][rows, :T][valid], (rows[r], c)
+
+
+def _chunk_logps(h, lm_head, ids, temperature: float, with_entropy: bool):
+    return logp_and_entropy(lm_head(h).float() / temperature, ids, with_entropy)
+
+
+def token_logps(model, batch, rows, args, with_entropy=False, chunk=1024) -> LogProbs:
+    """Log-probs [b, T] (and entropies) of the completion tokens of `rows`, in their order, with
+    grad. The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
+    positions at a time and is recomputed in the backward pass, so memory holds one chunk of
+    logits (a 3000-token completion over a 152k vocabulary would be ~2 GB a copy). Padded
+    positions are 0."""
+    h, ids, _ = hidden_states(model, batch, rows, args)
+    lm_head, parts = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (
-            h[i : i + chunk],
-            lm_head,
-            ids[valid][i : i + chunk],
-            args.temperature,
-            with_entropy,
-            extra,
-        )
+        inputs = (h[i : i + chunk], lm_head, ids[i : i + chunk], args.temperature, with_entropy)
         with autocast(args):
-            outs.append(
-                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                if torch.is_grad_enabled()
-                else _logp_entropy_chunk(*args_i)
-            )
+            if torch.is_grad_enabled():  # recomputed in the backward pass: one chunk in memory
+                parts.append(checkpoint(_chunk_logps, *inputs, use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(*inputs))
+    full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
 
-    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
-        if outs and outs[0][k] is None:
-            return None
-        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-        full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
-        zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
-        return zeros.masked_scatter(full, flat)
+    def scatter(values):  # [N] values at the valid positions -> [b, T], 0 at padding
+        zeros = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
+        return zeros.masked_scatter(full, torch.cat(values)) if values else zeros
 
-    return scatter(0), scatter(1), scatter(2)
+    entropy = scatter([p.entropy for p in parts]) if with_entropy else None
+    return LogProbs(scatter([p.logp for p in parts]), entropy)
 
 
 @torch.no_grad()
-def batch_logps(model, batch: dict, args, extra=None):
-    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
+def sampled_logits(model, batch: dict, args, chunk=1024):
+    """The whole batch, micro-batch by micro-batch, no grad: yields (where, logits, ids) for at
+    most `chunk` completion tokens at a time: where they sit in the batch's [B, T] ((row, column)
+    index tensors), logits / temperature [N, V] of the distribution each was sampled from, and
+    their ids [N]. The [B, T, V] logits are never built whole."""
     model.eval()
-    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
-        zero = batch["mask"].float()
-        return zero, zero, zero if extra is not None else None
     rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
-    mbs = micro_batches(batch, rows, args.micro_batch_size)
-    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
-    order = torch.cat(mbs).argsort()  # back to the batch's row order
+    for mb in micro_batches(batch, rows, args.micro_batch_size) if len(rows) else ():  # DAPO: 0
+        h, ids, (r, c) = hidden_states(model, batch, mb, args)
+        for i in range(0, len(h), chunk):
+            with autocast(args):
+                logits = model.get_output_embeddings()(h[i : i + chunk]).float()
+            yield (
+                (r[i : i + chunk], c[i : i + chunk]),
+                logits / args.temperature,
+                ids[i : i + chunk],
+            )
 
-    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
-        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
 
-    return joined(0), joined(1), joined(2)
+def batch_logps(model, batch: dict, args) -> LogProbs:
+    """No grad: log-probs and entropies [B, T] of every completion token of the batch."""
+    logp = torch.zeros(batch["mask"].shape, device=batch["mask"].device)
+    entropy = torch.zeros_like(logp)
+    for where, logits, ids in sampled_logits(model, batch, args):
+        logp[where], entropy[where] = logp_and_entropy(logits, ids)
+    return LogProbs(logp, entropy)
+
+
+@torch.no_grad()
+def reference_logps(policy, ref, batch: dict, args) -> LogProbs:
+    """batch_logps under pi_ref: the frozen copy `ref`, or under --lora-rank the policy itself
+    with its adapters switched off (PEFT's disable_adapter), so no second model is in memory."""
+    if ref is not None:
+        return batch_logps(ref, batch, args)
+    with policy.disable_adapter():
+        return batch_logps(policy, batch, args)
 
 
 # ----- Evaluation, samples, metrics ----------------------------------------------------------
@@ -1296,14 +1274,14 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             grades = [
-                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
                 for t, p in zip(texts, chunk)
             ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
         out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
-    out["eval/grader_timeouts"] = tasks.take_timeouts()  # greedy and sampled, counted wrong
+    out["eval/grader_timeouts"] = common.take_timeouts()  # greedy and sampled, counted wrong
     return out
 
 
@@ -1323,16 +1301,17 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
         "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
         "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
         "completions": len(m),
+        "tokens": m.sum().item(),
         "completion_len": m.sum(1).float().mean().item(),
         "completion_len_max": m.sum(1).max().item() if len(m) else 0,
         "truncated_frac": batch["truncated"].float().mean().item(),
-        "grader_timeouts": tasks.take_timeouts(),  # grades cut off by --grader-timeout: wrong
+        "grader_timeouts": common.take_timeouts(),  # grades cut off by --grader-timeout: wrong
     }
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv)
-    with harness.user_errors():
+    args = common.parse_args(Args, argv, __doc__, PRESETS)
+    with common.user_errors():
         return train(args)
 
 

@@ -1,16 +1,15 @@
-"""TEPO, Token-level Policy Optimization, in one file.
+"""TEPO, Token-level Policy Optimization, in one file: GRPO (grpo.py) with a sequence-level
+ratio carried to every token and a KL term only on tokens with a positive advantage and falling
+entropy. Paper: arXiv 2510.09369 / 2604.12736, ACL 2026 (abstract only: the formulas are our
+reading, docs/objectives.md).
 
-Paper: "Token-Level Policy Optimization: Linking Group-Level Rewards to Token-Level Aggregation
-via Sequence-Level Likelihood", arXiv 2510.09369 / 2604.12736, ACL 2026. What the abstract says,
-what others read into it, and how we chose, in docs/objectives.md.
-
-    python tepo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python tepo.py                            # bundled tiny model + arithmetic task, CPU, minutes
     python tepo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, DAPO-Math-17k
     python tepo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
-    python eval.py --model runs/<run-name>/checkpoint-<step>
+    python eval.py --model runs/<run-name>    # score its latest checkpoint
 
-TEPO changes GRPO (grpo.py) in two ways, by its abstract: (1) the sequence-level likelihood links
-the group's reward to the tokens through token-level aggregation; (2) a token-level KL mask
+TEPO changes GRPO in two ways, by its abstract: (1) the sequence-level likelihood links the
+group's reward to the tokens through token-level aggregation; (2) a token-level KL mask
 constrains only tokens with a positive advantage and decreasing entropy. As formulas, OUR READING:
 - Sequence ratio s_i, the geometric mean of the token ratios, carried to every token with the
   token's own gradient:  log s_i = sum_t (logp_it - old_logp_it) m_it / sum_t m_it,
@@ -18,19 +17,17 @@ constrains only tokens with a positive advantage and decreasing entropy. As form
 - l_it = -min(s_it A_i, clip(s_it, 1 - 3e-4, 1 + 4e-4) A_i) + kl_coef M_it k3(ref_it, logp_it),
   GSPO's clip range for a length-normalised ratio (arXiv 2507.18071, Sec. 5.1), chosen by a
   pre-registered study; TEPO's own range is unknown to us.
-- Aggregation token-mean: sum_it l_it m_it / sum_it m_it over the mini-batch (--loss-agg
-  seq-mean-token-mean is GRPO's: tried on a real model, not adopted, docs/study/README.md).
+- Aggregation token-mean: sum_it l_it m_it / sum_it m_it over the mini-batch.
 - KL mask M_it = [A_i > 0] [entropy falls] m_it. "Falls", --entropy-test predicted (our reading
   of Lemma 3.2): a step on A log p_k changes the entropy by about -A c_it, with
       c_it = p_k (log p_k + H) - sum_j p_j^2 (log p_j + H)
   from the sampling policy, so for A > 0 it falls where c_it > 0; observed: it fell since sampling.
 - kl_coef = 0.04, GRPO's beta (our reading). The flags are the uncertain parts, and only those.
-Known: on SmolLM2-135M-Instruct it learns only once the reward charges the length cap, as the
-cpu preset's does (--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong
-gap: reward shaping of ours, not TEPO's): greedy gain +0.096 over 3 seeds, -0.016 without.
 The real-run preset follows the paper where one GPU allows: DAPO-Math-17k, G = 8, 8 updates per
-rollout batch (not its 64 prompts a batch, 8192 tokens, or 7B / 14B models). Below the banner
-"The skeleton" the file is grpo.py's, line for line; lines marked `# TEPO:` differ from grpo.py.
+rollout batch (not its 64 prompts a batch, 8192 tokens, or 7B / 14B models). On the cpu preset
+the reward also charges the length cap (--overlong-cache 16): reward shaping of ours, not TEPO's.
+Below the banner "The skeleton" the file is grpo.py's, line for line; lines marked `# TEPO:`
+differ from grpo.py.
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 # Before torch loads OpenMP: its idle threads then sleep instead of spinning, so a run keeps its
 # pace beside another job (tools/bench.py, docs/speed.md). An OMP_WAIT_POLICY already set wins.
@@ -50,8 +48,6 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
-import harness
-import tasks
 from common import UserError, arg
 
 ALGO = "tepo"
@@ -79,12 +75,6 @@ class Args(common.RunArgs):
         "(our reading); token: per-token ratios",
         choices=["sequence", "token"],
     )
-    loss_agg: str = arg(
-        "token-mean",
-        "token-mean over the mini-batch's tokens (our reading of "
-        "'token-level aggregation'), or GRPO's seq-mean-token-mean (not adopted)",
-        choices=["token-mean", "seq-mean-token-mean"],
-    )
     entropy_test: str = arg(
         "predicted",
         "the mask's 'entropy decreasing': predicted from the sign "
@@ -101,16 +91,11 @@ class Args(common.RunArgs):
         "observed test compares with: old (the sampling policy) or ref",
         choices=["old", "ref"],
     )
-    kl_target: str = arg(
-        "ref",
-        "the masked KL pulls towards ref (the starting model) or old (the sampling policy)",
-        choices=["ref", "old"],
-    )
-    overlong_cache: int | None = arg(
-        None,
+    overlong_cache: int = arg(
+        0,
         "L_cache: reward shaping of ours, not part of the objective: the reward loses up to 0.5 "
         "over the last L_cache tokens before --max-new-tokens (DAPO's soft overlong punishment "
-        "at DAPO's weight); the cpu preset's is 16, the tiny and gpu presets' 0 (off)",
+        "at DAPO's weight); 0: off; the cpu preset's is 16",
     )
 
 
@@ -119,7 +104,7 @@ PRESETS = common.presets(gpu=dict(dataset="dapo-math", num_mini_batches=8))
 
 
 def resolve_args(args: Args) -> Args:
-    """The preset's value for every flag left unset, then every flag checked."""
+    """The preset's value for every flag not passed, then every flag checked."""
     common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     if args.entropy_tol is None:  # TEPO: above the noise of recomputing the same entropies
         args.entropy_tol = 0.05 if args.bf16 else 1e-3
@@ -138,10 +123,9 @@ def resolve_args(args: Args) -> Args:
 
 
 def needs_reference(args: Args) -> bool:
-    """pi_ref, the frozen starting model, for the masked KL to ref, or for the observed entropy
-    test against ref's entropy. TEPO: kl_target old, or kl_coef 0, does without it."""
-    kl_to_ref = args.kl_coef > 0 and args.kl_target == "ref"
-    return kl_to_ref or (args.entropy_test == "observed" and args.entropy_baseline == "ref")
+    """pi_ref, the frozen starting model, for the masked KL, or for the observed entropy test
+    against ref's entropy. TEPO: kl_coef 0 does without it (unless that test needs it)."""
+    return args.kl_coef > 0 or (args.entropy_test == "observed" and args.entropy_baseline == "ref")
 
 
 # =====================================================================================
@@ -165,7 +149,7 @@ def reward_fn(texts: list[str], answers: list[str], lengths: torch.Tensor, args)
     r_i = correct_i + 0.5 * overlong_penalty(len_i), DAPO's penalty at DAPO's weight (there -1
     against a right/wrong gap of 2), so a completion cut off at --max-new-tokens loses 0.5."""
     grades = [
-        tasks.grade(t, a, args.grader_timeout, args.answer_extraction)
+        common.grade(t, a, args.grader_timeout, args.answer_extraction)
         for t, a in zip(texts, answers)
     ]
     correct = torch.tensor([g.correct for g in grades], dtype=torch.float32)  # [B]
@@ -204,15 +188,6 @@ def token_mean(l: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.
     the micro-batch loop, so the sum over micro-batches equals the unsplit token-mean. Padding
     is selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
     return torch.where(mask.bool(), l, 0.0).sum() / num_tokens
-
-
-def seq_mean_token_mean(l: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """sum_i ( sum_t l_it m_it / sum_t m_it ) / num_seqs. num_seqs is the size of the whole
-    mini-batch, so summing this over its micro-batches gives the unsplit value. Padding is
-    selected away (torch.where), never multiplied by 0, so an inf there cannot become NaN."""
-    m = mask.bool()
-    per_seq = torch.where(m, l, 0.0).sum(1) / m.sum(1).clamp(min=1)
-    return per_seq.sum() / num_seqs
 
 
 def carried_log_ratio(logp, old_logp, mask, ratio_level: str = "sequence") -> torch.Tensor:
@@ -256,7 +231,7 @@ def kl_mask(advantages, entropy_falls, mask) -> torch.Tensor:
 def tepo_loss(
     logp,
     old_logp,
-    kl_logp,
+    ref_logp,
     advantages,
     mask,
     M,
@@ -264,22 +239,18 @@ def tepo_loss(
     clip_high=4e-4,
     kl_coef=0.04,
     ratio_level="sequence",
-    loss_agg="token-mean",
     num_tokens=None,
-    num_seqs=None,
 ):
-    """TEPO loss (our reading), aggregated token-mean (loss_agg="seq-mean-token-mean": as
-    GRPO). Copy it with k3_kl, token_mean, seq_mean_token_mean, carried_log_ratio (and kl_mask,
-    entropy_change_c to build M); it needs nothing but torch.
+    """TEPO loss (our reading), aggregated token-mean. Copy it with k3_kl, token_mean,
+    carried_log_ratio (and kl_mask, entropy_change_c to build M); it needs nothing but torch.
 
     logp       [B, T]  log-probs of the sampled tokens under the policy being trained (grad)
     old_logp   [B, T]  the same under the policy that sampled the batch (no grad)
-    kl_logp    [B, T]  the same under the KL target (reference or old policy); unused at kl_coef 0
+    ref_logp   [B, T]  the same under the frozen reference model; unused at kl_coef 0
     advantages [B]     one group-relative advantage per completion
     mask       [B, T]  1 on completion tokens through the first EOS
     M          [B, T]  bool, the KL mask (kl_mask)
-    num_tokens         valid tokens in the whole mini-batch (default: this mask's), for token-mean
-    num_seqs           completions in the whole mini-batch (default B), for seq-mean-token-mean
+    num_tokens         valid tokens in the whole mini-batch (default: this mask's)
 
     >>> logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.0]])  # log-ratios 0.2, 0
     >>> A, m, M = torch.tensor([1.0]), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool)
@@ -291,10 +262,8 @@ def tepo_loss(
     A = advantages[:, None]  # [B, 1]
     s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))  # [B, T]
     pg = -torch.min(s * A, torch.clamp(s, 1 - clip_low, 1 + clip_high) * A)
-    kl = k3_kl(kl_logp, logp) if kl_coef > 0 else torch.zeros_like(logp)
+    kl = k3_kl(ref_logp, logp) if kl_coef > 0 else torch.zeros_like(logp)
     l = pg + kl_coef * torch.where(M, kl, 0.0)  # [B, T]
-    if loss_agg == "seq-mean-token-mean":
-        return seq_mean_token_mean(l, mask, num_seqs or logp.shape[0])
     return token_mean(l, mask, mask.sum() if num_tokens is None else num_tokens)
 
 
@@ -302,7 +271,7 @@ def tepo_loss(
 def tepo_stats(
     logp,
     old_logp,
-    kl_logp,
+    ref_logp,
     advantages,
     mask,
     M,
@@ -322,7 +291,7 @@ def tepo_stats(
     seq = torch.ones(1)
     if rows.any():  # one sequence ratio per completion that has a token
         seq = torch.exp(carried_log_ratio(logp, old_logp, mask, "sequence")[:, 0][rows])
-    kl = k3_kl(kl_logp, logp) if kl_logp is not None else torch.zeros_like(logp)
+    kl = k3_kl(ref_logp, logp) if ref_logp is not None else torch.zeros_like(logp)
     stats = {
         "mask_frac": M.sum() / n,
         "masked_entropy": torch.where(M, entropy, 0.0).sum() / n_masked,
@@ -340,16 +309,16 @@ def tepo_stats(
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = harness.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
+    run = common.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
     policy = load_model(run.weights(), device, args, trainable=True)  # pi_theta
-    ref = load_reference(policy, device, args) if needs_reference(args) else None  # pi_ref, frozen
+    ref = load_reference(device, args) if needs_reference(args) else None  # pi_ref, frozen
     eos_ids = eos_token_ids(policy, tokenizer)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args)
-    sampler = tasks.PromptSampler(len(train_rows), args.seed)
+    sampler = common.PromptSampler(train_rows, args.seed, args.dataset)
     state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler)
     start = run.attach({"": policy}, tokenizer, state)  # what a checkpoint holds
     if start == 0 and eval_rows:
@@ -357,30 +326,29 @@ def train(args: Args) -> dict:
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
-        clock = common.Stopwatch(device)  # seconds of each phase, logged as time/<phase>
         # 1. Rollouts: P prompts, G completions each; row b belongs to prompt b // G
         rows = [train_rows[i] for i in sampler.take(P)]
         prompts = [r["prompt"] for r in rows]
         batch = generate_rollouts(policy, tokenizer, prompts, G, args, eos_ids, device)
-        clock.lap("generate")
 
         # 2. Reward r_i, then the group-relative advantage A_i (one value per completion)
         answers = [r["answer"] for r in rows for _ in range(G)]
         lengths = batch["mask"].sum(1)  # [B] completion lengths in tokens
         rewards, correct, parsed = reward_fn(batch["texts"], answers, lengths, args)  # [B] each
         advantages = group_advantages(rewards, G).to(device)  # [B]
-        run.observe("rollout", batch=batch, correct=correct, advantages=advantages)  # diagnostics
-        clock.lap("reward")
 
         # 3. Log-probs under the sampling policy (fixed for this batch) and the reference; no grad.
-        #    TEPO: the entropy-change term c of every token comes from the same pass
-        old_logp, old_entropy, c = batch_logps(policy, batch, args, extra=entropy_change_c)
-        clock.lap("old_logp")
-        no_ref = (None, None, None)
-        ref_logp, ref_entropy, _ = batch_logps(ref, batch, args) if ref is not None else no_ref
-        clock.lap("ref_logp")
-        kl_logp = ref_logp if args.kl_target == "ref" else old_logp  # TEPO: what the KL pulls to
-        base_entropy = old_entropy if args.entropy_baseline == "old" else ref_entropy  # TEPO
+        #    TEPO: and c_it of every token, from the logits of the policy that sampled it
+        old_logp, old_entropy, c = (
+            torch.zeros(batch["mask"].shape, device=device) for _ in range(3)
+        )
+        for where, logits, ids in sampled_logits(policy, batch, args):  # [N, V] at a time
+            old_logp[where], old_entropy[where] = logp_and_entropy(logits, ids)
+            c[where] = entropy_change_c(logits, ids)  # TEPO: Lemma 3.2, our reading
+        ref_logp, ref_entropy = (
+            reference_logps(policy, ref, batch, args) if needs_reference(args) else (None, None)
+        )
+        base_entropy = ref_entropy if args.entropy_baseline == "ref" else old_entropy  # TEPO
         observed = args.entropy_test == "observed"  # TEPO: else predicted, from c
 
         # 4. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
@@ -393,60 +361,37 @@ def train(args: Args) -> dict:
                 loss_sum = 0.0
                 num_tokens = batch["mask"][mini].sum().item()  # TEPO: the mini-batch's tokens
                 for mb in micro_batches(batch, mini, args.micro_batch_size):
-                    logp, entropy, _ = token_logps_and_entropy(policy, batch, mb, args, observed)
-                    A, m = advantages[mb], batch["mask"][mb]
+                    logp, entropy = token_logps(policy, batch, mb, args, with_entropy=observed)
                     if observed:  # TEPO: the entropy fell since sampling, beyond the noise
                         falls = entropy < base_entropy[mb] - args.entropy_tol
                     else:  # TEPO: the update is predicted to lower it
                         falls = c[mb] > 0
-                    M = kl_mask(A, falls, m)  # TEPO: the token-level KL mask [b, T]
-                    kl_mb = kl_logp[mb] if kl_logp is not None else None
-                    loss = tepo_loss(
-                        logp,
-                        old_logp[mb],
-                        kl_mb,
-                        A,
-                        m,
-                        M,
-                        args.clip_low,
-                        args.clip_high,
-                        args.kl_coef,
-                        args.ratio_level,
-                        args.loss_agg,
-                        num_tokens=num_tokens,
-                        num_seqs=len(mini),
+                    M = kl_mask(advantages[mb], falls, batch["mask"][mb])  # TEPO: [b, T]
+                    terms = dict(
+                        logp=logp,
+                        old_logp=old_logp[mb],
+                        ref_logp=ref_logp[mb] if ref_logp is not None else None,
+                        advantages=advantages[mb],
+                        mask=batch["mask"][mb],
+                        M=M,  # TEPO
+                        clip_low=args.clip_low,
+                        clip_high=args.clip_high,
+                        ratio_level=args.ratio_level,  # TEPO
                     )
+                    loss = tepo_loss(**terms, kl_coef=args.kl_coef, num_tokens=num_tokens)
                     loss.backward()  # gradients add up over micro-batches to the mini-batch's
                     loss_sum += loss.item()
-                    stats.append(
-                        tepo_stats(
-                            logp,
-                            old_logp[mb],
-                            kl_mb,
-                            A,
-                            m,
-                            M,
-                            old_entropy[mb],
-                            args.clip_low,
-                            args.clip_high,
-                            args.ratio_level,
-                        )
-                    )
-                    run.observe(
-                        "update", rows=mb, logp=logp, old_logp=old_logp[mb], kl_logp=kl_mb, M=M
-                    )
+                    stats.append(tepo_stats(**terms, entropy=old_entropy[mb]))
                 step_stats = common.optimizer_step(
                     optimizer, scheduler, params, args.max_grad_norm, loss_sum
                 )
                 stats.append({"loss": loss_sum, **step_stats})
-        clock.lap("update")
 
         # 5. Metrics, samples, held-out evaluation, checkpoint
         metrics = {
             **rollout_metrics(batch, rewards, correct, parsed, old_entropy, G),
             **common.reduce_stats(stats),
             "lr": scheduler.get_last_lr()[0],
-            **clock.metrics(tokens=batch["mask"].sum().item()),
         }
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
@@ -565,38 +510,10 @@ def add_lora(model, base: str, args, adapter: str | None = None):
     return model
 
 
-class AdapterOff:
-    """pi_ref under LoRA: the policy's own base weights, which never change, seen with its
-    adapters switched off for the pass: no second model in memory. It offers what batch_logps
-    uses of a model."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def eval(self):
-        self.policy.eval()
-
-    def get_decoder(self):
-        def without_adapters(**inputs):
-            with self.policy.disable_adapter():
-                return self.policy.get_decoder()(**inputs)
-
-        return without_adapters
-
-    def get_output_embeddings(self):
-        def without_adapters(h):
-            with self.policy.disable_adapter():
-                return self.policy.get_output_embeddings()(h)
-
-        return without_adapters
-
-
-def load_reference(policy, device: torch.device, args):
-    """pi_ref, the frozen starting model: with --lora-rank the policy with its adapters off, else a
-    second copy loaded from --model."""
-    if args.lora_rank:
-        return AdapterOff(policy)
-    return load_model(args.model, device, args, trainable=False)
+def load_reference(device: torch.device, args):
+    """pi_ref, the frozen starting model: a second copy loaded from --model; under --lora-rank
+    none, since the policy with its adapters switched off is pi_ref (reference_logps)."""
+    return None if args.lora_rank else load_model(args.model, device, args, trainable=False)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -621,9 +538,9 @@ def load_prompts(dataset, split, tokenizer, args, max_prompt_tokens, limit=None)
     """Problems with their prompt text; prompts over max_prompt_tokens are dropped and counted.
     --problem-column / --answer-column apply to the training set only."""
     cols = (args.problem_column, args.answer_column) if dataset == args.dataset else (None, None)
-    rows = tasks.load_problems(dataset, split, *cols, limit=limit, seed=0)  # seed 0: same subset
+    rows = common.load_problems(dataset, split, *cols, limit=limit)  # the same for every seed
     for r in rows:
-        r["prompt"] = tasks.build_prompt(tokenizer, r["problem"], args.template)
+        r["prompt"] = common.build_prompt(tokenizer, r["problem"], args.template)
     ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
     kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
@@ -749,28 +666,27 @@ def micro_batches(batch, rows, size: int):
 
 
 # ----- Log-probs -----------------------------------------------------------------------------
-def _logp_entropy_chunk(h, lm_head, ids, temperature, with_entropy, extra):
-    """[N, H] hidden states of N positions -> log-prob of each sampled id [N], entropy [N] and
-    extra(logits, ids) [N] (both no grad), from logits / temperature."""
-    logits = lm_head(h).float() / temperature  # [N, V]
+class LogProbs(NamedTuple):
+    logp: torch.Tensor  # [b, T] log-prob of each sampled token, from logits / temperature
+    entropy: torch.Tensor | None  # [b, T] entropy of each next-token distribution (no grad)
+
+
+def logp_and_entropy(logits, ids, with_entropy: bool = True) -> LogProbs:
+    """[N, V] logits / temperature (the distribution that was sampled), [N] sampled ids -> the
+    log-prob of each id [N] and the entropy of each distribution [N] (no grad; when asked)."""
     logz = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, ids[:, None]).squeeze(-1) - logz
     with torch.no_grad():
         entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
-        extra_value = extra(logits, ids) if extra is not None else None
-    return logp, entropy, extra_value
+    return LogProbs(logp, entropy)
 
 
-def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=None, chunk=1024):
-    """Log-prob of each completion token [b, T] and the entropy of the full next-token
-    distribution [b, T] (no grad; only when asked), both from logits / temperature, the
-    distribution that was sampled. Position ids follow the left padding, as in generate.
-    The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
-    positions at a time and is recomputed in the backward pass, so memory holds one chunk
-    of logits (a 3000-token completion over a 152k vocabulary would be ~2 GB per copy).
-    Padded positions are 0 in every output."""
+def hidden_states(model, batch, rows, args):
+    """The last hidden state at each position that predicts a completion token of `rows` [N, H],
+    that token's id [N], and where it sits in the batch's [B, T]: (row, column) index tensors.
+    Position ids follow the left padding, as in generate."""
     input_ids, attention_mask, position_ids, T = model_inputs(batch, rows)
-    ids, valid = batch["completion_ids"][rows, :T], batch["mask"][rows, :T].bool()  # [b, T']
+    valid = batch["mask"][rows, :T].bool()  # [b, T']
     with autocast(args):
         hidden = model.get_decoder()(
             input_ids=input_ids,
@@ -778,51 +694,77 @@ def token_logps_and_entropy(model, batch, rows, args, with_entropy=True, extra=N
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-    h = hidden[:, -T - 1 : -1][valid]  # [N, H]: position t predicts completion token t + 1
-    lm_head, outs = model.get_output_embeddings(), []
+    r, c = valid.nonzero(as_tuple=True)
+    h = hidden[:, -T - 1 : -1][valid]  # position t predicts completion token t + 1
+    return h, batch["completion_ids"][rows, :T][valid], (rows[r], c)
+
+
+def _chunk_logps(h, lm_head, ids, temperature: float, with_entropy: bool):
+    return logp_and_entropy(lm_head(h).float() / temperature, ids, with_entropy)
+
+
+def token_logps(model, batch, rows, args, with_entropy=False, chunk=1024) -> LogProbs:
+    """Log-probs [b, T] (and entropies) of the completion tokens of `rows`, in their order, with
+    grad. The [b, T, V] logits are never built whole: the output layer runs over `chunk` valid
+    positions at a time and is recomputed in the backward pass, so memory holds one chunk of
+    logits (a 3000-token completion over a 152k vocabulary would be ~2 GB a copy). Padded
+    positions are 0."""
+    h, ids, _ = hidden_states(model, batch, rows, args)
+    lm_head, parts = model.get_output_embeddings(), []
     for i in range(0, len(h), chunk):
-        args_i = (
-            h[i : i + chunk],
-            lm_head,
-            ids[valid][i : i + chunk],
-            args.temperature,
-            with_entropy,
-            extra,
-        )
+        inputs = (h[i : i + chunk], lm_head, ids[i : i + chunk], args.temperature, with_entropy)
         with autocast(args):
-            outs.append(
-                checkpoint(_logp_entropy_chunk, *args_i, use_reentrant=False)
-                if torch.is_grad_enabled()
-                else _logp_entropy_chunk(*args_i)
-            )
+            if torch.is_grad_enabled():  # recomputed in the backward pass: one chunk in memory
+                parts.append(checkpoint(_chunk_logps, *inputs, use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(*inputs))
+    full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
 
-    def scatter(k):  # [N] values at the valid positions -> [b, T], 0 at padding
-        if outs and outs[0][k] is None:
-            return None
-        flat = torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-        full = batch["mask"][rows].bool()  # [b, T]: the trimmed columns are all padding
-        zeros = torch.zeros(full.shape, dtype=flat.dtype, device=full.device)
-        return zeros.masked_scatter(full, flat)
+    def scatter(values):  # [N] values at the valid positions -> [b, T], 0 at padding
+        zeros = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
+        return zeros.masked_scatter(full, torch.cat(values)) if values else zeros
 
-    return scatter(0), scatter(1), scatter(2)
+    entropy = scatter([p.entropy for p in parts]) if with_entropy else None
+    return LogProbs(scatter([p.logp for p in parts]), entropy)
 
 
 @torch.no_grad()
-def batch_logps(model, batch: dict, args, extra=None):
-    """No-grad log-probs, entropies (and extra) over the whole batch, micro-batch by micro-batch."""
+def sampled_logits(model, batch: dict, args, chunk=1024):
+    """The whole batch, micro-batch by micro-batch, no grad: yields (where, logits, ids) for at
+    most `chunk` completion tokens at a time: where they sit in the batch's [B, T] ((row, column)
+    index tensors), logits / temperature [N, V] of the distribution each was sampled from, and
+    their ids [N]. The [B, T, V] logits are never built whole."""
     model.eval()
-    if len(batch["mask"]) == 0:  # DAPO can keep no group at all
-        zero = batch["mask"].float()
-        return zero, zero, zero if extra is not None else None
     rows = torch.arange(len(batch["mask"]), device=batch["mask"].device)
-    mbs = micro_batches(batch, rows, args.micro_batch_size)
-    parts = [token_logps_and_entropy(model, batch, mb, args, extra=extra) for mb in mbs]
-    order = torch.cat(mbs).argsort()  # back to the batch's row order
+    for mb in micro_batches(batch, rows, args.micro_batch_size) if len(rows) else ():  # DAPO: 0
+        h, ids, (r, c) = hidden_states(model, batch, mb, args)
+        for i in range(0, len(h), chunk):
+            with autocast(args):
+                logits = model.get_output_embeddings()(h[i : i + chunk]).float()
+            yield (
+                (r[i : i + chunk], c[i : i + chunk]),
+                logits / args.temperature,
+                ids[i : i + chunk],
+            )
 
-    def joined(k):  # output k of every micro-batch, in the batch's row order ([B, T]), or None
-        return torch.cat([p[k] for p in parts])[order] if parts[0][k] is not None else None
 
-    return joined(0), joined(1), joined(2)
+def batch_logps(model, batch: dict, args) -> LogProbs:
+    """No grad: log-probs and entropies [B, T] of every completion token of the batch."""
+    logp = torch.zeros(batch["mask"].shape, device=batch["mask"].device)
+    entropy = torch.zeros_like(logp)
+    for where, logits, ids in sampled_logits(model, batch, args):
+        logp[where], entropy[where] = logp_and_entropy(logits, ids)
+    return LogProbs(logp, entropy)
+
+
+@torch.no_grad()
+def reference_logps(policy, ref, batch: dict, args) -> LogProbs:
+    """batch_logps under pi_ref: the frozen copy `ref`, or under --lora-rank the policy itself
+    with its adapters switched off (PEFT's disable_adapter), so no second model is in memory."""
+    if ref is not None:
+        return batch_logps(ref, batch, args)
+    with policy.disable_adapter():
+        return batch_logps(policy, batch, args)
 
 
 # ----- Evaluation, samples, metrics ----------------------------------------------------------
@@ -856,14 +798,14 @@ def evaluate(model, tokenizer, problems, args, eos_ids, device) -> dict:
                 ids = model.generate(**enc, generation_config=cfg)[:, enc["input_ids"].shape[1] :]
             texts = decode_completions(tokenizer, ids, completion_mask(ids, eos_ids))
             grades = [
-                tasks.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
+                common.grade(t, p["answer"], args.grader_timeout, args.answer_extraction)
                 for t, p in zip(texts, chunk)
             ]
             correct += sum(g.correct for g in grades)
             cut += (~torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).any(1)).sum().item()
         out[f"eval/{name}_acc"] = correct / len(problems)
         out[f"eval/{name}_truncated_frac"] = cut / len(problems)  # cut off at --max-new-tokens
-    out["eval/grader_timeouts"] = tasks.take_timeouts()  # greedy and sampled, counted wrong
+    out["eval/grader_timeouts"] = common.take_timeouts()  # greedy and sampled, counted wrong
     return out
 
 
@@ -883,16 +825,17 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
         "zero_std_frac": zero_std.float().mean().item() if len(rewards) else 1.0,
         "entropy": (torch.where(m, entropy, 0.0).sum() / m.sum().clamp(min=1)).item(),
         "completions": len(m),
+        "tokens": m.sum().item(),
         "completion_len": m.sum(1).float().mean().item(),
         "completion_len_max": m.sum(1).max().item() if len(m) else 0,
         "truncated_frac": batch["truncated"].float().mean().item(),
-        "grader_timeouts": tasks.take_timeouts(),  # grades cut off by --grader-timeout: wrong
+        "grader_timeouts": common.take_timeouts(),  # grades cut off by --grader-timeout: wrong
     }
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv)
-    with harness.user_errors():
+    args = common.parse_args(Args, argv, __doc__, PRESETS)
+    with common.user_errors():
         return train(args)
 
 

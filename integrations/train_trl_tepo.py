@@ -30,15 +30,15 @@ tepo.py's mini-batches; keep steps_per_generation a multiple of gradient_accumul
 
 Every flag except this script's own (--model, --dataset, --problem_column, --answer_column,
 --template, --answer_extraction, --grader_timeout, --max_prompt_tokens) and TEPO's
-(--ratio_level, --entropy_test, --entropy_tol, --kl_target, --kl_coef, --loss_agg; clips:
---epsilon 3e-4 --epsilon_high 4e-4, our reading) is TRL's own (GRPOConfig and transformers'
+(--ratio_level, --entropy_test, --entropy_tol, --kl_coef; clips: --epsilon 3e-4
+--epsilon_high 4e-4, our reading) is TRL's own (GRPOConfig and transformers'
 TrainingArguments: `--help` lists them all). TRL defaults to bf16 autocast over fp32 weights and
 gradient checkpointing, as tepo.py does on CUDA. Leave --beta unset: TEPO's KL coefficient is
 --kl_coef. Verified on CPU only (one process end to end; two processes for the cross-process
 counting and gathering); never run on a GPU, under DeepSpeed / FSDP or with vLLM (docs/scaling.md).
 
 The reward is tepo.py's: 1 if the last \\boxed{} of the completion equals the answer
-(tasks.grade: math-verify, gold first, time-bounded), else 0. Prompts come from tasks.build_prompt
+(common.grade: math-verify, gold first, time-bounded), else 0. Prompts come from common.build_prompt
 (the tiny template for the tiny model, qwen_math otherwise); prompts longer than
 --max_prompt_tokens (default: the model's context - max_completion_length) are dropped.
 """
@@ -58,8 +58,6 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser  # noqa: E402
 
 import common  # noqa: E402
-import tasks  # noqa: E402
-import harness  # noqa: E402
 import tepo  # noqa: E402
 from integrations.trl_trainers import TEPOConfig, TEPOTrainer  # noqa: E402
 
@@ -160,7 +158,7 @@ def correctness_reward(extraction: str, timeout_s: int):
 
     def correctness(completions, answer, **kwargs):
         return [
-            float(tasks.grade(c, a, timeout_s, extraction).correct)
+            float(common.grade(c, a, timeout_s, extraction).correct)
             for c, a in zip(completions, answer)
         ]
 
@@ -184,13 +182,13 @@ def parse(argv=None) -> tuple[ScriptArgs, TEPOConfig]:
 
 def load_prompts(script: ScriptArgs, tokenizer, max_prompt_tokens: int) -> Dataset:
     """{'prompt', 'answer'} rows; prompts over max_prompt_tokens are dropped and counted."""
-    rows = tasks.load_problems(
+    rows = common.load_problems(
         script.dataset,
         "train",
         problem_column=script.problem_column,
         answer_column=script.answer_column,
     )
-    prompts = [tasks.build_prompt(tokenizer, r["problem"], script.template) for r in rows]
+    prompts = [common.build_prompt(tokenizer, r["problem"], script.template) for r in rows]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     kept = [
         dict(prompt=p, answer=r["answer"])
@@ -260,5 +258,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with harness.user_errors():
+    with common.user_errors():
         main()

@@ -118,7 +118,7 @@ def _refuse_unused_options(cfg: GRPOConfig, loss_type: str) -> None:
 @dataclass
 class TEPOConfig(GRPOConfig):
     """GRPOConfig plus TEPO's flags (tepo.py's, same names and defaults). TRL's beta is not TEPO's
-    KL coefficient: it is set from kl_coef / kl_target and only tells TRL to load the reference."""
+    KL coefficient: it is set from kl_coef and only tells TRL to load the reference."""
 
     epsilon: float = field(
         default=3e-4,
@@ -172,46 +172,21 @@ class TEPOConfig(GRPOConfig):
             "0.05 under bf16: above recomputation noise)"
         },
     )
-    kl_target: str = field(
-        default="ref",
-        metadata={
-            "help": "the masked KL pulls towards ref (the starting model) or old (the sampling "
-            "policy)",
-            "choices": ["ref", "old"],
-        },
-    )
     kl_coef: float = field(
         default=0.04,
         metadata={"help": "coefficient of the masked KL term (our reading: GRPO's beta)"},
-    )
-    loss_agg: str = field(
-        default="token-mean",
-        metadata={
-            "help": "token-mean over the optimizer step's tokens (our "
-            "reading), or GRPO's seq-mean-token-mean (not adopted)",
-            "choices": ["token-mean", "seq-mean-token-mean"],
-        },
     )
 
     def __post_init__(self):
         super().__post_init__()
         _refuse_unused_options(self, "dapo")
-        need_ref = self.kl_coef > 0 and self.kl_target == "ref"
-        level, test, target, agg = (
-            self.ratio_level,
-            self.entropy_test,
-            self.kl_target,
-            self.loss_agg,
-        )
-        tol = self.entropy_tol
+        need_ref = self.kl_coef > 0  # the masked KL pulls towards the reference model
+        level, test, tol = self.ratio_level, self.entropy_test, self.entropy_tol
         checks = {
             f"ratio_level must be 'sequence' or 'token', not {level!r}": level
             in ("sequence", "token"),
             f"entropy_test must be 'predicted' or 'observed', not {test!r}": test
             in ("predicted", "observed"),
-            f"kl_target must be 'ref' or 'old', not {target!r}": target in ("ref", "old"),
-            f"loss_agg must be 'token-mean' or 'seq-mean-token-mean', not {agg!r}": agg
-            in ("token-mean", "seq-mean-token-mean"),
             f"kl_coef must be >= 0, not {self.kl_coef}": self.kl_coef >= 0,
             f"epsilon (clip low) must be in [0, 1), not {self.epsilon}": 0 <= self.epsilon < 1,
             f"entropy_tol must be >= 0, not {tol}": tol is None or tol >= 0,
@@ -555,37 +530,19 @@ class TEPOTrainer(_ScriptObjectiveTrainer):
             falls = entropy.detach() < inputs[OLD_ENTROPY] - a.entropy_tol
         else:  # predicted (our reading of Lemma 3.2): the update lowers the entropy where c > 0
             falls = inputs[ENTROPY_CHANGE] > 0
-        M = tepo.kl_mask(A, falls, mask)
-        kl_logp = inputs.get("ref_per_token_logps") if a.kl_target == "ref" else old
+        terms = dict(
+            old_logp=old,
+            ref_logp=inputs.get("ref_per_token_logps"),  # None at kl_coef 0: TRL loads no ref
+            advantages=A,
+            mask=mask,
+            M=tepo.kl_mask(A, falls, mask),
+            clip_low=self.epsilon_low,
+            clip_high=self.epsilon_high,
+            ratio_level=a.ratio_level,
+        )
         num_tokens = self._window_size(inputs, WINDOW_TOKENS, mask)
-        num_seqs = self._window_size(inputs, WINDOW_SEQS, mask)
-        loss = tepo.tepo_loss(
-            logp,
-            old,
-            kl_logp,
-            A,
-            mask,
-            M,
-            self.epsilon_low,
-            self.epsilon_high,
-            a.kl_coef,
-            a.ratio_level,
-            a.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-        )
-        stats = tepo.tepo_stats(
-            logp.detach(),
-            old,
-            kl_logp,
-            A,
-            mask,
-            M,
-            inputs[OLD_ENTROPY],
-            self.epsilon_low,
-            self.epsilon_high,
-            a.ratio_level,
-        )
+        loss = tepo.tepo_loss(logp=logp, **terms, kl_coef=a.kl_coef, num_tokens=num_tokens)
+        stats = tepo.tepo_stats(logp=logp.detach(), **terms, entropy=inputs[OLD_ENTROPY])
         return loss, stats
 
 

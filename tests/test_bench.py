@@ -1,9 +1,10 @@
 """tools/bench.py: a smoke run of the command line (table, CSV, PNG), each script's step as the
-benchmark reads it from the script's own train() (its time/<phase> metrics), TRL's timer and
+benchmark times it in the script's own train() (its functions wrapped), TRL's timer and
 report on hand-made inputs, the interleaved TRL comparison (when TRL is installed), and the real-run
 estimate on a toy model with hand-computed values. No timing is asserted: timings are noisy."""
 
 import csv
+import importlib
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+import common
 from tools import bench
-import harness
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +139,7 @@ def test_estimate_only_and_bad_flags(capsys):
 
 
 # =====================================================================================
-# Each script's step, as train() logs it and the benchmark reads it
+# Each script's step, as the benchmark times it in train()
 # =====================================================================================
 PHASES_OF = {
     "grpo": {"generate", "reward", "old_logp", "ref_logp", "update"},
@@ -154,6 +155,7 @@ def test_the_benchmark_runs_the_scripts_own_train(name):
     """run_script runs <name>.py's train() (no copy of its loop): the phases it times are the
     ones that script has, they add up to at most the step, and the work is the preset's."""
     args = bench.Args(prompts_per_step=4, group_size=4, max_new_tokens=32)
+    originals = _wrapped(name)
     seen = []
     a, rows = bench.run_script(
         name, args, steps=1, warmup=1, on_step=lambda step, row: seen.append(step)
@@ -166,13 +168,21 @@ def test_the_benchmark_runs_the_scripts_own_train(name):
     assert r["optimizer_steps"] == (a.num_mini_batches * a.ppo_epochs if r["completions"] else 0)
     assert 0 <= r["tokens"] <= r["completions"] * 32 and r["decode_steps"] <= 32
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step"], rel=1e-4)
-    assert not harness.STEP_HOOKS  # the hook is removed afterwards
+    assert _wrapped(name) == originals  # the script's own functions are back afterwards
 
 
-def test_a_failing_run_removes_the_hook():
+def _wrapped(name):
+    """What PhaseTimer wraps for a run of <name>.py, as it is now."""
+    mod = importlib.import_module(name)
+    own = [getattr(mod, f) for f in bench.LAPS if hasattr(mod, f)]
+    return own + [common.optimizer_step, common.Run.steps, common.Run.end_step]
+
+
+def test_a_failing_run_restores_the_functions():
+    originals = _wrapped("grpo")
     with pytest.raises(UserError, match="--group-size must be at least 2"):
         bench.run_script("grpo", bench.Args(group_size=1), steps=1, warmup=0)
-    assert not harness.STEP_HOOKS
+    assert _wrapped("grpo") == originals
 
 
 # =====================================================================================

@@ -1,5 +1,5 @@
-"""The studies' diagnostics (tools/diagnostics.py), through the run's observe hook: hand values for
-each figure, and a run with the hook logs the same training numbers as one without it."""
+"""The studies' diagnostics (tools/diagnostics.py), through wrappers around the script's functions:
+hand values for each figure, and a diagnosed run logs the same training numbers as a plain one."""
 
 import json
 import math
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 import grpo
-import harness
 import tepo
 from tools import diagnostics
 
@@ -81,17 +81,10 @@ def test_clip_split_by_sign_and_by_cut_off_by_hand():
     assert set(f) == {"clip_frac_neg_adv", "clip_frac_ended"}
 
 
-def test_observe_without_observers_does_nothing():
-    assert not harness.OBSERVERS
-    run = SimpleNamespace(observed=[])
-    harness.Run.observe(run, "rollout", batch=None)
-    assert run.observed == []
-
-
 def _rows(run_dir):
     return [
         {k: v for k, v in r.items() if not (k.startswith("time") or k == "tokens_per_s")}
-        for r in harness.read_metrics(run_dir)
+        for r in common.read_metrics(run_dir)
     ]
 
 
@@ -114,8 +107,11 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
         str(tmp_path),
     ]
     tepo.main([*flags, "--run-name", "plain"])
+    wrapped = ("reward_fn", "group_advantages", "token_logps", "tepo_loss")
+    originals = [getattr(tepo, f) for f in wrapped] + [common.Run.end_step]
     diagnostics.main(["tepo.py", *flags, "--run-name", "diagnosed"])
-    assert not harness.OBSERVERS  # removed afterwards
+    # the originals are back afterwards
+    assert [getattr(tepo, f) for f in wrapped] + [common.Run.end_step] == originals
     plain, diagnosed = _rows(tmp_path / "plain"), _rows(tmp_path / "diagnosed")
     added = {
         "right_cut_off_frac",

@@ -8,8 +8,6 @@ import pytest
 
 MODULES = [
     "common",
-    "tasks",
-    "harness",
     "grpo",
     "dapo",
     "tepo",
@@ -20,6 +18,7 @@ MODULES = [
     "tools.study",
     "tools.study_real",
     "tools.same_metrics",
+    "tools.make_data",
 ]
 WITH_EXAMPLES = {
     "common",

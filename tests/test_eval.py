@@ -1,4 +1,4 @@
-"""eval.py: pass@k, grading through tasks.grade, an end-to-end run on a tiny model, decoding that
+"""eval.py: pass@k, grading through common.grade, an end-to-end run on a tiny model, decoding that
 ignores the model's generation_config.json, --resume and its settings check, benchmark labels,
 --answer-extraction, and one-line errors. CPU only, offline; under a minute."""
 
@@ -23,10 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-import tasks  # noqa: E402
 import eval as ev  # noqa: E402  (eval.py; the module name only shadows the builtin inside `ev.`)
-from common import UserError  # noqa: E402
-from tasks import grade, tiny_task  # noqa: E402
+from common import UserError, grade  # noqa: E402
+
+
+def tiny_test(n: int) -> list[dict]:
+    """The first n problems of the bundled tiny set's held-out split, as its file holds them:
+    what eval.py's tiny benchmark is with --eval-n n."""
+    lines = (ROOT / "data" / "tiny" / "test.jsonl").read_text().splitlines()[:n]
+    return [json.loads(line) for line in lines]
 
 
 # =====================================================================================
@@ -124,7 +129,7 @@ def test_named_benchmarks_read_their_columns(monkeypatch):
 
 
 # =====================================================================================
-# Grading through tasks.grade
+# Grading through common.grade
 # =====================================================================================
 @pytest.mark.parametrize(
     "completion, gold, correct, parsed",
@@ -163,7 +168,7 @@ def test_grade_adversarial_is_bounded_and_never_executes(tmp_path):
 
 
 def test_grade_bounded_off_the_main_thread():
-    """SIGALRM works only on the main thread; tasks.grade must still bound the time elsewhere."""
+    """SIGALRM works only on the main thread; common.grade must still bound the time elsewhere."""
     out = {}
 
     def work():
@@ -231,16 +236,16 @@ def test_boxes_are_read_as_before():
     atoms = ["\\boxed{", "\\fbox{", "{", "}", "1", " x", "\\boxed", "\\frac{1}{2}"]
     for _ in range(3000):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
-        spans = tasks.boxed_spans(text)
+        spans = common.boxed_spans(text)
         assert [text[i:j].strip() for i, j in spans] == _boxed_answers_box_by_box(text), text
 
 
 def test_grades_that_run_out_of_time_are_counted():
-    tasks.take_timeouts()
+    common.take_timeouts()
     deep = "\\boxed{" + "(" * 60 + "1" + ")" * 60 + "}"  # math-verify parses it for seconds
     assert grade(deep, "1", timeout_s=1).timed_out
     assert not grade("\\boxed{\\frac{1}{2}}", "0.5", timeout_s=1).timed_out
-    assert tasks.take_timeouts() == 1 and tasks.take_timeouts() == 0
+    assert common.take_timeouts() == 1 and common.take_timeouts() == 0
 
 
 # =====================================================================================
@@ -262,9 +267,9 @@ def test_numeric_gold_answers_keep_every_digit(tmp_path, capsys):
     array.write_text(
         '[{"problem": "p", "answer": 3.14159265358979323846}, {"problem": "q", "answer": 0.5}]'
     )
-    assert [r["answer"] for r in tasks.load_problems(str(lines))] == [str(BIG), "12"]
+    assert [r["answer"] for r in common.load_problems(str(lines))] == [str(BIG), "12"]
     assert [r["answer"] for r in ev.load_benchmark(str(lines), ev.Args())[2]] == [str(BIG), "12"]
-    assert [r["answer"] for r in tasks.load_problems(str(array))] == [
+    assert [r["answer"] for r in common.load_problems(str(array))] == [
         "3.14159265358979323846",
         "0.5",
     ]
@@ -278,18 +283,18 @@ def test_numeric_gold_answers_keep_every_digit(tmp_path, capsys):
             pa.table({"problem": ["p", "q"], "answer": column}), tmp_path / f"{name}.parquet"
         )
         want = str(2**62 + 1) if name == "int64" else str(BIG)
-        assert tasks.load_problems(str(tmp_path / f"{name}.parquet"))[0]["answer"] == want
+        assert common.load_problems(str(tmp_path / f"{name}.parquet"))[0]["answer"] == want
     # a float column has lost the digits before we read it: said, not silent
     pq.write_table(pa.table({"problem": ["p"], "answer": [float(BIG)]}), tmp_path / "f.parquet")
     capsys.readouterr()
-    tasks.load_problems(str(tmp_path / "f.parquet"))
+    common.load_problems(str(tmp_path / "f.parquet"))
     assert "1 answers are floats of 2**53 or more" in capsys.readouterr().out
     assert ev.clean_gold(float(BIG), "amc23") == "1.2345678901234568e+29"  # no made-up digits
     assert ev.clean_gold(27.0, "amc23") == "27"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "p", "answer": 1}\n{"problem": "q", answer: 2}\n')
     with pytest.raises(UserError, match="line 2: not JSON"):
-        tasks.load_problems(str(bad))
+        common.load_problems(str(bad))
 
 
 # =====================================================================================
@@ -395,6 +400,7 @@ def test_end_to_end_greedy(model_dir, tmp_path, one_thread):
     ):
         assert key in res, key
     assert res["benchmark"] == "tiny" and res["n_problems"] == 16 and res["n_samples"] == 16
+    assert res["source"] == "data/tiny/test.jsonl"  # the bundled set's held-out split
     assert res["grader"] == "math-verify " + version("math-verify")
     datetime.fromisoformat(res["date"])
     dec = res["decoding"]
@@ -412,7 +418,7 @@ def test_end_to_end_greedy(model_dir, tmp_path, one_thread):
     }
 
     rows = read_jsonl(tmp_path / "tiny.greedy.jsonl")
-    gold = {i: p["answer"] for i, p in enumerate(tiny_task("test", 16))}
+    gold = {i: p["answer"] for i, p in enumerate(tiny_test(16))}
     assert sorted(r["idx"] for r in rows) == list(range(16))
     assert all(r["sample"] == 0 for r in rows)
     for r in rows:
@@ -440,7 +446,7 @@ def test_loaded_tokenizer_round_trips(model_dir):
     """The model eval.py runs on keeps every character of a prompt through its tokenizer."""
     model, tok = ev.load_model(str(model_dir), torch.device("cpu"), torch.float32, False)
     assert ev.round_trips(tok) and tok.padding_side == "left" and not model.training
-    text = tasks.build_prompt(tok, "7+5-8", "tiny")
+    text = common.build_prompt(tok, "7+5-8", "tiny")
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
 
 
@@ -512,7 +518,7 @@ def test_generation_defaults_are_not_inherited(model_dir, tmp_path, one_thread, 
 def test_metrics_with_an_oracle_generator(model_dir, tmp_path, one_thread, monkeypatch):
     """Generation replaced by an oracle that is right on the first sample of every problem with
     an even answer and wrong otherwise: avg@4, pass@k and the JSONL must agree with that."""
-    problems = tiny_task("test", 16)
+    problems = tiny_test(16)
     answers = {p["problem"]: p["answer"] for p in problems}
     calls = {}
 
@@ -703,7 +709,7 @@ def test_greedy_ignores_the_shipped_generation_config(
     assert model.generation_config.repetition_penalty == 1.5  # the shipped file is as written
     stop = set(ev.stop_token_ids(tok, model))
     for r in rows:
-        prompt = tok(tasks.build_prompt(tok, r["problem"], "tiny"))["input_ids"]
+        prompt = tok(common.build_prompt(tok, r["problem"], "tiny"))["input_ids"]
         ref = argmax_decode(model, tok, prompt, stop, 40)
         assert r["completion"] == tok.decode(ref, skip_special_tokens=True), r["problem"]
         assert r["tokens"] == len(ref)
@@ -1033,7 +1039,7 @@ def test_answer_extraction_reaches_grade(model_dir, tmp_path, monkeypatch):
 def test_answer_extraction_grades_unboxed_answers(model_dir, tmp_path, monkeypatch):
     """A model that never boxes: 'The answer is: <gold>' on even problems, '#### <gold + 1>' on
     odd ones. boxed extraction finds nothing; math_verify finds both and grades them."""
-    problems = tiny_task("test", 16)
+    problems = tiny_test(16)
     answers = {p["problem"]: p["answer"] for p in problems}
 
     def unboxed(model, tok, prompt_ids, stop_ids):
@@ -1153,7 +1159,6 @@ def test_a_training_run_folder_scores_its_latest_whole_checkpoint(
 ):
     """`--model runs/<run>` (the run, not a checkpoint) said "no config.json". It stands for the
     run's latest whole checkpoint, named before anything else; a run with none says so."""
-    import harness
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "runs" / "grpo-tiny"
@@ -1167,7 +1172,7 @@ def test_a_training_run_folder_scores_its_latest_whole_checkpoint(
     model = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR)
     tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
     for step in (1, 2):  # as a training run saves them
-        harness.save_checkpoint(run, step, {"": model}, tok, {"step": step})
+        common.save_checkpoint(run, step, {"": model}, tok, {"step": step})
     monkeypatch.setattr(ev, "generate", constant_generate())
     for out, scored in ((tmp_path / "e1", "checkpoint-2"), (tmp_path / "e2", "checkpoint-1")):
         capsys.readouterr()
@@ -1269,6 +1274,43 @@ def test_flags_are_spelled_as_the_training_scripts_spell_them():
     assert {"gen_batch_size", "eval_n", "max_new_tokens", "answer_extraction"} <= ours & theirs
     args = ev.parse_args(["--limit", "3", "--batch-size", "5"])  # eval.py's first spellings
     assert (args.eval_n, args.gen_batch_size) == (3, 5)
+    args = ev.parse_args(["--limit=4", "--batch_size=6"])
+    assert (args.eval_n, args.gen_batch_size) == (4, 6)
+    assert ev.parse_args(["--eval_n", "7"]).eval_n == 7
+
+
+@pytest.mark.parametrize(
+    "typed, error",
+    [
+        (("--limit", "0"), "--limit must be at least 1, not 0"),
+        (("--limit=-2",), "--limit must be at least 1, not -2"),
+        (("--eval-n", "0"), "--eval-n must be at least 1, not 0"),
+        (("--eval_n", "0"), "--eval-n must be at least 1, not 0"),
+        (("--batch-size", "0"), "--batch-size must be at least 1, not 0"),
+        (("--batch_size", "0"), "--batch-size must be at least 1, not 0"),
+        (("--gen-batch-size", "0"), "--gen-batch-size must be at least 1, not 0"),
+        (("--n", "0"), "--n must be at least 1, not 0"),
+        (("--max-new-tokens", "0"), "--max-new-tokens must be at least 1, not 0"),  # not 40
+        (("--pass-k", "0,4"), "--pass-k values must be at least 1, not 0"),
+        (("--eval-n", "5", "--limit", "0"), "--limit must be at least 1, not 0"),  # the last
+        (("--limit", "5", "--eval-n", "0"), "--eval-n must be at least 1, not 0"),
+    ],
+)
+def test_a_count_below_one_names_the_flag_as_typed(
+    typed, error, model_dir, tmp_path, monkeypatch, one_line_error
+):
+    """Issue 52: `--limit 0` was answered "--n, --gen-batch-size, --max-new-tokens, --eval-n and
+    --pass-k values must be >= 1", naming neither the flag typed nor its value. Checked before
+    any work; --limit and --batch-size are the first spellings of --eval-n and --gen-batch-size."""
+    monkeypatch.setattr(ev, "load_benchmark", lambda *a, **k: pytest.fail("a benchmark was loaded"))
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert one_line_error(ev.main, tiny_argv(model_dir, tmp_path, *typed)) == f"error: {error}"
+    with pytest.raises(UserError, match="^--eval-n must be at least 1, not 0$"):  # args in code
+        ev.evaluate(ev.Args(model=str(model_dir), eval_n=0, output_dir=str(tmp_path)))
+
+
+def test_cli_limit_zero_is_one_line_naming_it():
+    assert_one_line_error(run_cli("--limit", "0"), "error: --limit must be at least 1, not 0")
 
 
 def test_help_says_each_default_once(capsys):
@@ -1277,15 +1319,18 @@ def test_help_says_each_default_once(capsys):
     with pytest.raises(SystemExit):
         ev.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "unset: tiny for the tiny model, else qwen_math (default: None)" in text
+    assert "unset: tiny for the tiny model, else qwen_math" in text  # no "(default: None)"
+    assert "(default: None)" not in text and text.count("(default: ") == sum(
+        f.default is not None for f in dataclasses.fields(ev.Args)
+    )
+    assert "completions per generate() call (also --batch-size) (default: 64)" in text
+    assert "the same whatever --seed; unset: all (also --limit)" in text  # the first spellings
 
 
 def test_errors_take_the_scripts_one_line_path(tmp_path, monkeypatch, one_line_error):
-    import harness
-
     entered = []
-    real = harness.user_errors
-    monkeypatch.setattr(harness, "user_errors", lambda: entered.append(1) or real())
+    real = common.user_errors
+    monkeypatch.setattr(common, "user_errors", lambda: entered.append(1) or real())
     err = one_line_error(ev.main, ["--benchmarks", "math501", "--output-dir", str(tmp_path)])
     assert entered and err.startswith("error: unknown benchmark 'math501'")
 
@@ -1314,12 +1359,10 @@ def test_one_output_dir_holds_one_evaluation_at_a_time_and_one_model(
     under a summary of 500), and a second model's evaluation replaced the first's results without
     a word. Now the folder is locked while eval.py writes it, another model's results there are
     refused (its own folder keeps both), and replacing the same model's results is said."""
-    import harness
-
     monkeypatch.setattr(ev, "generate", constant_generate())
     out = tmp_path / "out"
     out.mkdir()
-    held = harness.lock_run_folder(out, "--output-dir", "--output-dir")  # as another eval.py
+    held = common.lock_run_folder(out, "--output-dir", "--output-dir")  # as another eval.py
     try:
         err = one_line_error(ev.main, tiny_argv(model_dir, out))
     finally:
@@ -1344,3 +1387,28 @@ def test_one_output_dir_holds_one_evaluation_at_a_time_and_one_model(
         capsys.readouterr().out
     )
     assert len(read_jsonl(out / "tiny.greedy.jsonl")) == 16
+
+
+def test_a_kill_while_writing_the_results_keeps_them_whole(model_dir, tmp_path, monkeypatch):
+    """Issue 52: the results JSON was written in place, so a kill in the middle of that write
+    left half a file, and --resume then refused the samples it records the settings of. Now it
+    is written beside and renamed: the file on disk is the old one or the new one, whole."""
+    monkeypatch.setattr(ev, "generate", constant_generate("\\boxed{0}", []))
+    assert ev.main(tiny_argv(model_dir, tmp_path)) == 0
+    result = tmp_path / "tiny.greedy.json"
+    before = json.loads(result.read_text())
+    real = Path.write_text
+
+    def killed_mid_write(self, text, *a, **k):  # half the text reaches the disk, then the kill
+        if self.suffix == ".json" or self.name.endswith(".json.tmp"):
+            real(self, text[: len(text) // 2], *a, **k)
+            raise KeyboardInterrupt
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", killed_mid_write)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        ev.main(tiny_argv(model_dir, tmp_path, "--resume"))
+    monkeypatch.setattr(Path, "write_text", real)
+    assert json.loads(result.read_text()) == before  # whole, as it was
+    assert ev.main(tiny_argv(model_dir, tmp_path, "--resume")) == 0
+    assert json.loads(result.read_text())["complete"] is True

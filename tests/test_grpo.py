@@ -1,12 +1,13 @@
 """GRPO maths pinned by hand-computed values, plus property tests and end-to-end runs."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+import common
 import grpo
-import tasks
 
 
 # ------------------------------------------------------------------ advantage
@@ -156,7 +157,7 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
     """Log-probs with left padding equal log_softmax(logits / T) of the very distribution
     generate() sampled from (its raw logits, one sequence at a time, unpadded)."""
     model, tok = _tiny_policy(tiny_dir)
-    prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89")]
+    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89")]
     torch.manual_seed(0)
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert (enc["attention_mask"] == 0).any()  # left padding is exercised
@@ -181,7 +182,7 @@ def test_logps_use_temperature_and_match_generate(tiny_dir, temperature):
     )
     args = grpo.Args(temperature=temperature, bf16=False, device="cpu")
     with torch.no_grad():
-        logp, ent, _ = grpo.token_logps_and_entropy(model, batch, torch.arange(2), args)
+        logp, ent = grpo.token_logps(model, batch, torch.arange(2), args, with_entropy=True)
     raw = torch.stack(out.logits, 1).float()  # [B, T, V] before any processing
     expected = torch.log_softmax(raw / temperature, -1).gather(-1, comp[..., None]).squeeze(-1)
     assert torch.allclose(logp, expected, atol=1e-4)
@@ -196,7 +197,7 @@ def _rollout_batch(tiny_dir, n_prompts=3, G=4):
     model, tok = _tiny_policy(tiny_dir)
     args = grpo.resolve_args(grpo.Args(run_name="x", max_new_tokens=24))
     prompts = [
-        tasks.build_prompt(tok, p, "tiny")
+        common.build_prompt(tok, p, "tiny")
         for p in ("1+2-3", "45+67-89", "9-9+9", "123-4")[:n_prompts]
     ]
     torch.manual_seed(0)
@@ -240,20 +241,39 @@ def test_model_inputs_trim_padding_without_changing_logps(tiny_dir):
     )
     short = batch["mask"].sum(1).argsort()[:2]
     assert grpo.model_inputs(batch, short)[3] == int(batch["mask"][short].sum(1).max()) < T
+    rows = torch.arange(len(batch["mask"]))
     with torch.no_grad():
-        ref = grpo.token_logps_and_entropy(model, batch, torch.arange(len(batch["mask"])), args)
-        pad = grpo.token_logps_and_entropy(model, padded, torch.arange(len(batch["mask"])), args)
+        ref = grpo.token_logps(model, batch, rows, args, with_entropy=True)
+        pad = grpo.token_logps(model, padded, rows, args, with_entropy=True)
         for k in range(2):
             assert torch.allclose(pad[k][:, : batch["mask"].shape[1]], ref[k], atol=1e-5)
             assert torch.all(pad[k][:, batch["mask"].shape[1] :] == 0)
         for size in (1, 5):  # batch_logps regroups rows by length and must give them back in order
-            got = grpo.batch_logps(
-                model, batch, grpo.Args(**{**vars(args), "micro_batch_size": size})
-            )
-            assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(
-                got[1], ref[1], atol=1e-5
-            )
-    assert torch.all(ref[0][batch["mask"] == 0] == 0)
+            got = grpo.batch_logps(model, batch, dataclasses.replace(args, micro_batch_size=size))
+            assert torch.allclose(got.logp, ref.logp, atol=1e-5)
+            assert torch.allclose(got.entropy, ref.entropy, atol=1e-5)
+    assert torch.all(ref.logp[batch["mask"] == 0] == 0)
+
+
+def test_sampled_logits_cover_every_completion_token_once(tiny_dir):
+    """The no-grad pass yields each completion token once, at most `chunk` at a time, with its
+    place in the batch, the logits / temperature it was sampled from, and its id."""
+    model, batch, args = _rollout_batch(tiny_dir)
+    args = dataclasses.replace(args, micro_batch_size=5, temperature=0.7)
+    seen = torch.zeros_like(batch["mask"])
+    with torch.no_grad():
+        ref = grpo.token_logps(model, batch, torch.arange(len(seen)), args, with_entropy=True)
+    for (r, c), logits, ids in grpo.sampled_logits(model, batch, args, chunk=7):
+        assert 1 <= len(r) <= 7 and logits.shape == (len(r), model.config.vocab_size)
+        assert not logits.requires_grad and torch.equal(ids, batch["completion_ids"][r, c])
+        seen[r, c] += 1
+        logp, entropy = grpo.logp_and_entropy(logits, ids)
+        assert torch.allclose(logp, ref.logp[r, c], atol=1e-5)
+        assert torch.allclose(entropy, ref.entropy[r, c], atol=1e-5)
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+        assert torch.allclose(logp, expected, atol=1e-5)
+        assert grpo.logp_and_entropy(logits, ids, with_entropy=False).entropy is None
+    assert torch.equal(seen, batch["mask"])  # every valid position once, no padding
 
 
 def test_eos_ids_include_both_qwen_ends(tiny_dir):
@@ -268,7 +288,7 @@ def test_eos_ids_include_both_qwen_ends(tiny_dir):
 def test_rollouts_shapes_and_grouping(tiny_dir):
     model, tok = _tiny_policy(tiny_dir)
     args = grpo.resolve_args(grpo.Args(run_name="x"))
-    prompts = [tasks.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
+    prompts = [common.build_prompt(tok, p, "tiny") for p in ("1+2-3", "45+67-89", "9-9+9")]
     torch.manual_seed(0)
     b = grpo.generate_rollouts(
         model, tok, prompts, 4, args, grpo.eos_token_ids(model, tok), torch.device("cpu")

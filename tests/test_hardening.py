@@ -18,8 +18,6 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import tasks
-import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["grpo", "dapo", "tepo"]
@@ -111,7 +109,7 @@ def test_nan_loss_skips_every_update_and_logs_strict_json(tmp_path, monkeypatch,
     assert row["skipped_updates"] == 2 and row["loss"] is None  # NaN is logged as null
     assert "update skipped" in capsys.readouterr().err
     w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    w1 = load_file(str(harness.find_checkpoint(tmp_path / "nan") / "model.safetensors"))
+    w1 = load_file(str(common.find_checkpoint(tmp_path / "nan") / "model.safetensors"))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
@@ -124,7 +122,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, tiny_dir):
     run.models, run.tokenizer, run.stateful, run.dir = {"": model}, tok, {}, tmp_path
     next(model.parameters()).data[0] = float("nan")
     with pytest.raises(common.UserError, match="not finite"):
-        harness.Run.save(run, 3)
+        common.Run.save(run, 3)
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
@@ -136,19 +134,19 @@ def test_a_policy_that_blows_up_is_one_line_naming_the_last_checkpoint(tmp_path,
 
     argv = ["--steps", "4", "--save-every", "1", "--lr", "1e30", "--output-dir", str(tmp_path)]
     err = _error_of(grpo, capsys, [*argv, "--run-name", "b", *SMALL])
-    last = harness.find_checkpoint(tmp_path / "b")
-    step = harness.load_trainer_state(last)["step"]
+    last = common.find_checkpoint(tmp_path / "b")
+    step = common.load_trainer_state(last)["step"]
     assert err.startswith(f"error: the policy blew up at step {step + 1}: "), err
     assert "next-token probabilities are inf or nan" in err and "--lr 1e+30" in err, err
     assert f"the last checkpoint saved, whole, is {last} (step {step})" in err, err
     # any other RuntimeError is no blow-up, and keeps its traceback
     with pytest.raises(RuntimeError, match="probability"):
-        with harness.user_errors():
+        with common.user_errors():
             raise RuntimeError("probability of something else")
 
 
 def test_logger_keeps_small_floats_and_writes_null_for_nan(tmp_path):
-    log = harness.RunLogger(tmp_path, tensorboard=False)
+    log = common.RunLogger(tmp_path, tensorboard=False)
     log.log(1, {"lr": 5e-7, "x": float("nan"), "y": float("inf"), "n": 3, "z": 0.123456789})
     log.close()
     row = _strict_rows(tmp_path)[0]
@@ -171,11 +169,11 @@ def test_existing_run_folder_is_refused_and_resume_writes_where_pointed(tmp_path
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == before  # untouched
     shutil.copytree(tmp_path / "b", tmp_path / "copy")
     grpo.main(["--resume", str(tmp_path / "copy"), "--steps", "3"])
-    assert harness.find_checkpoint(tmp_path / "copy").name == "checkpoint-3"
+    assert common.find_checkpoint(tmp_path / "copy").name == "checkpoint-3"
     # the original is untouched
-    assert harness.find_checkpoint(tmp_path / "b").name == "checkpoint-2"
+    assert common.find_checkpoint(tmp_path / "b").name == "checkpoint-2"
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == before
-    assert [r["step"] for r in harness.read_metrics(tmp_path / "copy")] == [1, 2, 3]
+    assert [r["step"] for r in common.read_metrics(tmp_path / "copy")] == [1, 2, 3]
     # a failed resume leaves the run's arguments alone
     args_before = (tmp_path / "b" / "args.json").read_text()
     err = _error_of(
@@ -207,7 +205,7 @@ def test_resume_after_a_crash_cuts_metrics_back_to_the_checkpoint(tmp_path):
     (run / "latest").write_text("checkpoint-2\n")
     (run / ".tmp-checkpoint-3").mkdir()  # and a half-written folder left behind
     grpo.main(["--resume", str(run), "--steps", "4"])
-    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3, 4]
     assert not list(run.glob(".tmp-checkpoint-*"))
 
 
@@ -241,16 +239,16 @@ def test_resave_of_a_step_never_leaves_latest_dangling(tmp_path, tiny_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    harness.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
-    harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2})
+    common.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
+    common.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2})
     # a kill between moving the old checkpoint-2 aside and renaming the new one into place:
     (tmp_path / "checkpoint-2").rename(tmp_path / ".trash-checkpoint-2")
     # latest's target is gone: the newest whole one
-    assert harness.find_checkpoint(tmp_path).name == "checkpoint-1"
-    harness.clean_leftovers(tmp_path)  # on resume: the old folder is put back
-    assert harness.find_checkpoint(tmp_path).name == "checkpoint-2"
-    harness.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 22})  # a normal re-save
-    assert harness.load_trainer_state(harness.find_checkpoint(tmp_path))["step"] == 22
+    assert common.find_checkpoint(tmp_path).name == "checkpoint-1"
+    common.clean_leftovers(tmp_path)  # on resume: the old folder is put back
+    assert common.find_checkpoint(tmp_path).name == "checkpoint-2"
+    common.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 22})  # a normal re-save
+    assert common.load_trainer_state(common.find_checkpoint(tmp_path))["step"] == 22
     assert not list(tmp_path.glob(".trash-*")) and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -284,8 +282,8 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 143, out[-2000:]
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = harness.find_checkpoint(run)
-    assert harness.load_trainer_state(ckpt)["step"] == harness.read_metrics(run)[-1]["step"] >= 1
+    ckpt = common.find_checkpoint(run)
+    assert common.load_trainer_state(ckpt)["step"] == common.read_metrics(run)[-1]["step"] >= 1
 
 
 # ------------------------------------------------------ 3. one-line errors, before any model loads
@@ -432,7 +430,8 @@ def test_a_hub_model_in_the_cache_loads_offline_and_out_of_reach_says_how(tmp_pa
         HF_ENDPOINT="http://hub.invalid",
     )
     assert code == 2 and len(err) == 1, err
-    assert err[0].endswith("it is in the local cache: set HF_HUB_OFFLINE=1 to load it from there")
+    assert "the Hugging Face hub cannot be reached (http://hub.invalid: " in err[0]
+    assert err[0].endswith("; set HF_HUB_OFFLINE=1 to load it from the local cache"), err
 
 
 def test_a_local_folder_never_asks_the_hub(monkeypatch):
@@ -452,7 +451,7 @@ def test_truncated_weights_on_resume_are_a_clear_error(tmp_path, capsys):
     import grpo
 
     grpo.main(["--steps", "1", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL])
-    weights = harness.find_checkpoint(tmp_path / "t") / "model.safetensors"
+    weights = common.find_checkpoint(tmp_path / "t") / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     err = _error_of(grpo, capsys, ["--resume", str(tmp_path / "t"), "--steps", "2"])
     assert err.startswith(
@@ -469,7 +468,7 @@ def test_null_answers_are_dropped_and_counted(tmp_path, capsys):
         {"problem": "3+3", "answer": "6"},
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = tasks.load_problems(str(data))
+    got = common.load_problems(str(data))
     assert [r["answer"] for r in got] == ["2", "6"]
     assert "dropped 1 of 3" in capsys.readouterr().out
 
@@ -493,7 +492,7 @@ def test_grades_that_run_out_of_time_are_counted_in_each_step(tmp_path, monkeypa
     step's metrics count the training grades, eval/grader_timeouts the held-out ones, once each."""
     import grpo
 
-    real_grade, calls = tasks.grade, []
+    real_grade, calls = common.grade, []
 
     def slow_every_8th(text, gold, timeout_s=5, extraction="boxed"):
         calls.append(text)
@@ -501,10 +500,10 @@ def test_grades_that_run_out_of_time_are_counted_in_each_step(tmp_path, monkeypa
             text = "\\boxed{" + "(" * 60 + "1" + ")" * 60 + "}"
         return real_grade(text, gold, 1, extraction)
 
-    monkeypatch.setattr(tasks, "grade", slow_every_8th)
+    monkeypatch.setattr(common, "grade", slow_every_8th)
     argv = ["--steps", "2", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL]
     grpo.main([*argv, "--eval-dataset", "tiny", "--eval-n", "4", "--eval-every", "2"])
-    rows = harness.read_metrics(tmp_path / "t")  # grades: 8 at step 0, then 16 and 16 + 8
+    rows = common.read_metrics(tmp_path / "t")  # grades: 8 at step 0, then 16 and 16 + 8
     assert [r.get("grader_timeouts") for r in rows] == [None, 2, 2]
     assert [r.get("eval/grader_timeouts") for r in rows] == [1, None, 1]
     assert capsys.readouterr().err.count("ran out of --grader-timeout (5 s)") == 1
@@ -536,7 +535,7 @@ def test_answer_extraction_option_grades_free_text_answers():
     ],
 )
 def test_several_boxes_rule(text, gold, right):
-    assert tasks.grade(text, gold).correct is right
+    assert common.grade(text, gold).correct is right
 
 
 def test_dapo_overlong_cache_must_fit_the_completion_cap(tmp_path, capsys):
@@ -594,7 +593,10 @@ def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny)
 
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu"))
     tok, _ = grpo.load_tokenizer("tiny", False)
-    prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 4)]
+    prompts = [
+        common.build_prompt(tok, r["problem"], "tiny")
+        for r in common.load_problems("tiny", "test", limit=4)
+    ]
     outs = {}
     for name in ("tiny", str(skewed_tiny)):
         model = grpo.load_model(name, torch.device("cpu"), args, trainable=False)
@@ -605,13 +607,13 @@ def test_rollouts_and_greedy_follow_the_script_not_the_model_config(skewed_tiny)
         ]
         rows = [{"prompt": p, "answer": "0"} for p in prompts]
         seen = []
-        real_grade = tasks.grade
-        tasks.grade = lambda text, *a, **k: seen.append(text) or real_grade(text, *a, **k)
+        real_grade = common.grade
+        common.grade = lambda text, *a, **k: seen.append(text) or real_grade(text, *a, **k)
         try:
             torch.manual_seed(1)
             grpo.evaluate(model, tok, rows, args, eos, torch.device("cpu"))
         finally:
-            tasks.grade = real_grade
+            common.grade = real_grade
         outs[name] = (sampled, seen[: len(rows)])  # the greedy texts come first
     (s0, g0), (s1, g1) = outs.values()
     assert torch.equal(s0, s1), (
@@ -627,18 +629,21 @@ def test_reference_and_policy_agree_exactly_at_step_0_under_bf16_autocast():
     tok, _ = grpo.load_tokenizer("tiny", False)
     policy = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
     ref = grpo.load_model("tiny", torch.device("cpu"), args, trainable=False)
-    prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 3)]
+    prompts = [
+        common.build_prompt(tok, r["problem"], "tiny")
+        for r in common.load_problems("tiny", "test", limit=3)
+    ]
     torch.manual_seed(0)
     batch = grpo.generate_rollouts(
         policy, tok, prompts, 4, args, grpo.eos_token_ids(policy, tok), torch.device("cpu")
     )
-    old_logp, _, _ = grpo.batch_logps(policy, batch, args)
-    ref_logp, _, _ = grpo.batch_logps(ref, batch, args)
+    old_logp = grpo.batch_logps(policy, batch, args).logp
+    ref_logp = grpo.reference_logps(policy, ref, batch, args).logp
     kl = grpo.k3_kl(ref_logp, old_logp)
     assert kl.abs().max().item() == 0.0
     fp32 = grpo.batch_logps(
         policy, batch, grpo.resolve_args(grpo.Args(run_name="x", device="cpu", bf16=False))
-    )[0]
+    ).logp
     assert not torch.equal(fp32, old_logp)  # bf16 autocast really was on
 
 
@@ -650,7 +655,10 @@ def test_chunked_log_probs_match_full_logits_in_value_and_gradient():
     args = grpo.resolve_args(grpo.Args(run_name="x", device="cpu", temperature=0.7))
     tok, _ = grpo.load_tokenizer("tiny", False)
     model = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
-    prompts = [tasks.build_prompt(tok, r["problem"], "tiny") for r in tasks.tiny_task("test", 3)]
+    prompts = [
+        common.build_prompt(tok, r["problem"], "tiny")
+        for r in common.load_problems("tiny", "test", limit=3)
+    ]
     torch.manual_seed(0)
     batch = grpo.generate_rollouts(
         model, tok, prompts, 2, args, grpo.eos_token_ids(model, tok), torch.device("cpu")
@@ -672,12 +680,23 @@ def test_chunked_log_probs_match_full_logits_in_value_and_gradient():
     full_grads = torch.autograd.grad(full_loss, list(model.parameters()))
 
     for chunk in (7, 10_000):
-        logp, ent, _ = grpo.token_logps_and_entropy(model, batch, rows, args, chunk=chunk)
+        logp, ent = grpo.token_logps(model, batch, rows, args, with_entropy=True, chunk=chunk)
         assert torch.allclose(logp[mask], full[mask], atol=1e-5) and torch.all(logp[~mask] == 0)
         assert torch.allclose(ent[mask], full_ent[mask], atol=1e-4) and not ent.requires_grad
+        assert torch.all(ent[~mask] == 0)
         grads = torch.autograd.grad(logp.sum(), list(model.parameters()))
         # fp32 noise
         assert all((a - b).norm() <= 1e-4 * b.norm() + 1e-7 for a, b in zip(grads, full_grads))
+    assert grpo.token_logps(model, batch, rows, args).entropy is None  # only when asked
+    # the no-grad pass over the whole batch (sampled_logits, micro-batch by micro-batch, in
+    # chunks): the same values, each in its row and column
+    for micro in (1, 4, 64):
+        args.micro_batch_size = micro
+        logp, ent = grpo.batch_logps(model, batch, args)
+        assert torch.allclose(logp[mask], full[mask].detach(), atol=1e-5)
+        assert torch.allclose(ent[mask], full_ent[mask].detach(), atol=1e-4)
+        assert torch.all(logp[~mask] == 0) and torch.all(ent[~mask] == 0)
+        assert not logp.requires_grad
 
 
 def test_a_model_that_transforms_its_logits_is_refused(tmp_path):

@@ -18,8 +18,7 @@ import torch
 import common
 import eval as ev
 import grpo
-import harness
-import tasks
+import tepo
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +50,7 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(
     assert "--lr 0.5 (the run has 0.0002)" in err and "--steps" in err  # names what may change
     err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "2", "--group-size", "4"])
     assert "--group-size 4 (the run has 2)" in err
-    assert [r["step"] for r in harness.read_metrics(run)] == [1]  # nothing ran, nothing was lost
+    assert [r["step"] for r in common.read_metrics(run)] == [1]  # nothing ran, nothing was lost
     # the same value as saved is not a change; RESUMABLE flags are applied
     grpo.main(
         [
@@ -67,21 +66,81 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(
             "cpu",
         ]
     )
-    state = harness.load_trainer_state(harness.find_checkpoint(run))
+    state = common.load_trainer_state(common.find_checkpoint(run))
     assert state["step"] == 2 and state["args"]["save_every"] == 5 and state["args"]["lr"] == 2e-4
 
 
 def test_changed_flags_compares_given_flags_only():
     saved = grpo.Args(lr=2e-4, steps=3, group_size=2, model="tiny")
-    assert harness.changed_flags(grpo.Args(), saved, grpo.Args()) == []  # nothing given
+    assert common.changed_flags(grpo.Args(), saved) == []  # nothing given
     # resumable
-    assert harness.changed_flags(grpo.Args(steps=9, device="cpu"), saved, grpo.Args()) == []
+    assert common.changed_flags(grpo.Args(steps=9, device="cpu"), saved) == []
     # equal to the saved value
-    assert harness.changed_flags(grpo.Args(lr=2e-4), saved, grpo.Args()) == []
-    assert harness.changed_flags(grpo.Args(kl_coef=0.0, lr=1e-3), saved, grpo.Args()) == [
+    assert common.changed_flags(grpo.Args(lr=2e-4), saved) == []
+    assert common.changed_flags(grpo.Args(kl_coef=0.0, lr=1e-3), saved) == [
         "--lr 0.001 (the run has 0.0002)",
         "--kl-coef 0.0 (the run has 0.04)",
     ]
+
+
+def test_a_run_of_another_script_is_refused_on_resume_naming_both(tmp_path, one_line_error):
+    """Issue 52: tepo.py --resume on a grpo run accepted most of its flags and would have trained
+    it with TEPO's objective. One line naming both scripts, and the folder as it was."""
+    grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "g"])
+    run = tmp_path / "g"
+    assert json.loads((run / "args.json").read_text())["algo"] == "grpo"
+    state = common.load_trainer_state(common.find_checkpoint(run))
+    assert state["args"]["algo"] == "grpo"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for resume in (run, run / "checkpoint-1"):
+        err = one_line_error(tepo.main, ["--resume", str(resume), "--steps", "2"])
+        assert err == (
+            f"error: {resume} is a run of grpo.py, not of tepo.py: continue it with "
+            f"python grpo.py --resume {resume}"
+        ), err
+    # a run stopped before its first checkpoint (args.json only) is refused the same way
+    _stopped_before_its_first_checkpoint(
+        [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
+    )
+    err = one_line_error(tepo.main, ["--resume", str(tmp_path / "k")])
+    assert "is a run of grpo.py, not of tepo.py" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert not (run / ".lock").exists() and not common._ACTIVE_RUNS
+    # the script that made it goes on
+    grpo.main(["--resume", str(run), "--steps", "2"])
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]
+
+
+def test_a_torn_last_line_of_metrics_is_dropped_and_resume_rewrites_the_file(tmp_path, capsys):
+    """Issue 52: a kill (or a full disk) in the middle of an append leaves metrics.jsonl with a
+    last line cut short; reading it raised JSONDecodeError, and --resume with it failed."""
+    grpo.main(
+        [
+            *FAST,
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "t",
+        ]
+    )
+    run, path = tmp_path / "t", tmp_path / "t" / "metrics.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + '{"step": 3, "time": 17000, "lo')  # step 3's append, cut short
+    capsys.readouterr()
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]
+    err = capsys.readouterr().err
+    assert f"warning: {path}, line 3: cut short" in err and "left out" in err
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    assert "line 3: cut short" in capsys.readouterr().err  # said once more as --resume reads it
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # every line whole again
+    assert path.read_text().startswith(whole)
+    common.read_metrics(run)
+    assert "cut short" not in capsys.readouterr().err
 
 
 # =====================================================================================
@@ -119,7 +178,7 @@ def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, one_line_er
     finally:
         first.kill()  # SIGKILL: no chance to release anything itself
         first.wait()
-    done = harness.load_trainer_state(harness.find_checkpoint(run))["step"]
+    done = common.load_trainer_state(common.find_checkpoint(run))["step"]
     grpo.main(["--resume", str(run), "--steps", str(done + 1)])  # the lock died with the process
 
 
@@ -132,7 +191,7 @@ def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, one_li
     one_line_error(grpo.main, ["--resume", str(tmp_path / "r"), "--lr", "1"])  # fails after locking
     assert not lock.exists()
     grpo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])  # so the folder is free again
-    assert not harness._ACTIVE_RUNS and not lock.exists()
+    assert not common._ACTIVE_RUNS and not lock.exists()
 
 
 def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypatch):
@@ -141,7 +200,7 @@ def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypat
     process finds the folder in use."""
     import fcntl
 
-    first = harness.lock_run_folder(tmp_path)
+    first = common.lock_run_folder(tmp_path)
     real_flock = fcntl.flock
 
     def first_ends_in_between(f, op):  # the second process, between its open and its flock
@@ -150,14 +209,59 @@ def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypat
         return real_flock(f, op)
 
     monkeypatch.setattr(fcntl, "flock", first_ends_in_between)
-    second = harness.lock_run_folder(tmp_path)
+    second = common.lock_run_folder(tmp_path)
     try:
         assert os.path.samestat(os.fstat(second.file.fileno()), os.stat(tmp_path / ".lock"))
         with pytest.raises(UserError, match=f"in use by process {os.getpid()}"):
-            harness.lock_run_folder(tmp_path)  # the third
+            common.lock_run_folder(tmp_path)  # the third
     finally:
         second.close()
     assert not (tmp_path / ".lock").exists()
+
+
+# =====================================================================================
+# Signals: SIGHUP (the terminal closed) saves as SIGTERM does
+# =====================================================================================
+def test_sighup_finishes_the_step_saves_and_exits_129(tmp_path):
+    """Issue 52: a run started in a terminal that closes (or over ssh that drops) got SIGHUP and
+    died where it was, losing every step since the last checkpoint."""
+    run = tmp_path / "hup"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "grpo.py"),
+            *FAST,
+            "--steps",
+            "100000",
+            "--save-every",
+            "100000",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "hup",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not (
+            (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()
+        ):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGHUP)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 129, out[-2000:]
+    assert "SIGHUP: finishing this step, then saving a checkpoint" in out, out[-2000:]
+    assert f"continue with: python grpo.py --resume {run}" in out
+    assert "Traceback" not in out and not (run / ".lock").exists()
+    ckpt = common.find_checkpoint(run)
+    assert common.load_trainer_state(ckpt)["step"] == common.read_metrics(run)[-1]["step"] >= 1
 
 
 # =====================================================================================
@@ -202,7 +306,7 @@ def test_ctrl_c_while_the_model_loads_stops_at_once_and_leaves_no_folder(
     assert e.value.code == 130
     printed = capsys.readouterr()
     assert "Ctrl-C: stopped before the first step; nothing was saved" in printed.out + printed.err
-    assert not (tmp_path / "c").exists() and not harness._ACTIVE_RUNS
+    assert not (tmp_path / "c").exists() and not common._ACTIVE_RUNS
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -220,7 +324,7 @@ def _tiny_model_and_tokenizer():
 
 def _assert_previous_checkpoint_intact(run_dir: Path, step: int):
     assert (run_dir / "latest").read_text().strip() == f"checkpoint-{step}"
-    assert harness.load_trainer_state(harness.find_checkpoint(run_dir))["step"] == step
+    assert common.load_trainer_state(common.find_checkpoint(run_dir))["step"] == step
     assert not list(run_dir.glob(".tmp-checkpoint-*")) and not list(run_dir.glob(".trash-*"))
 
 
@@ -228,7 +332,7 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
     tmp_path, monkeypatch
 ):
     model, tok = _tiny_model_and_tokenizer()
-    harness.save_checkpoint(
+    common.save_checkpoint(
         tmp_path, 1, {"": model}, tok, {"step": 1}, {"optimizer": {"m": torch.ones(10)}}
     )
 
@@ -242,7 +346,7 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
 
     monkeypatch.setattr(type(model), "save_pretrained", full)
     with pytest.raises(UserError) as e:
-        harness.save_checkpoint(
+        common.save_checkpoint(
             tmp_path, 2, {"": model}, tok, {"step": 2}, {"optimizer": {"m": torch.ones(10)}}
         )
     msg = str(e.value)
@@ -255,7 +359,7 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
 
 
 def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
-    log = harness.RunLogger(tmp_path, tensorboard=False)
+    log = common.RunLogger(tmp_path, tensorboard=False)
     monkeypatch.setattr(log, "file", _Full())
     with pytest.raises(
         UserError, match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"
@@ -263,7 +367,7 @@ def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
         log.log(3, {"loss": 1.0})
     monkeypatch.setattr(Path, "write_text", _Full().write)
     with pytest.raises(UserError, match=r"cannot write summary.json in .*No space left on device"):
-        harness.write_text(tmp_path / "summary.json", "{}")
+        common.write_text(tmp_path / "summary.json", "{}")
 
 
 class _Full:
@@ -351,22 +455,21 @@ def test_a_folder_without_tokenizer_files_is_one_line(
 def _stopped_before_its_first_checkpoint(argv):
     """grpo.main(argv), stopped as by a kill -9 after step 1 is logged, before any save."""
 
-    def killed(run, step, metrics):
+    def killed(run, step, metrics):  # end_step's first act, then the kill
+        run.log(step, metrics)
         raise RuntimeError("killed")
 
-    harness.STEP_HOOKS.append(killed)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common.Run, "end_step", killed)
         with pytest.raises(RuntimeError, match="killed"):
             grpo.main(argv)
-    finally:
-        harness.STEP_HOOKS.remove(killed)
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys, one_line_error):
     argv = [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
     _stopped_before_its_first_checkpoint(argv)
     run = tmp_path / "k"
-    assert [r["step"] for r in harness.read_metrics(run)] == [1]
+    assert [r["step"] for r in common.read_metrics(run)] == [1]
     assert not (run / ".lock").exists()  # an exception ends it too
     assert not list(run.glob("checkpoint-*"))
     err = one_line_error(grpo.main, argv)  # the same command again: it names the one that works
@@ -374,14 +477,14 @@ def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, caps
     grpo.main(["--resume", str(run)])
     assert "starting it again from step 0 with its saved arguments" in capsys.readouterr().out
     grpo.main([*argv[:-1], "u"])  # the same run, never stopped
-    rows, whole = harness.read_metrics(run), harness.read_metrics(tmp_path / "u")
+    rows, whole = common.read_metrics(run), common.read_metrics(tmp_path / "u")
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["loss"] for r in rows] == [r["loss"] for r in whole]
-    assert harness.find_checkpoint(run).name == "checkpoint-2"
+    assert common.find_checkpoint(run).name == "checkpoint-2"
 
 
 def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_error):
-    rows = [{"problem": r["problem"], "answer": r["answer"]} for r in tasks.tiny_task("train", 16)]
+    rows = common.load_problems("tiny", "train", limit=16)
     data = tmp_path / "train.jsonl"
 
     def write(rs):
@@ -406,15 +509,25 @@ def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_erro
     run = tmp_path / "d"
     write(rows[:3])  # rows removed: the saved position in the data lies past its end
     err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
-    assert f"the training data ({data}) no longer matches the run" in err
-    assert "it has 3 rows now, the run had 16" in err
+    assert "no longer matches the run: it has 3 rows now, the run had 16" in err
     write([*rows[:-1], {**rows[-1], "answer": "999"}])  # as many rows, one answer changed
     err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
     assert "no longer matches the run" in err and "rows differ" in err
-    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2]  # nothing was lost
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]  # nothing was lost
     write(rows)  # the data the run was trained on: it goes on
     grpo.main(["--resume", str(run), "--steps", "3"])
-    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2, 3]
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3]
+
+
+def test_the_changed_data_line_names_the_data_set(tmp_path, one_line_error):
+    data = tmp_path / "train.jsonl"
+    rows = common.load_problems("tiny", "train", limit=8)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [*FAST, "--dataset", str(data), "--steps", "1", "--output-dir", str(tmp_path)]
+    grpo.main([*argv, "--run-name", "d"])
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    err = one_line_error(grpo.main, ["--resume", str(tmp_path / "d"), "--steps", "2"])
+    assert f"the training data ({data}) no longer matches the run" in err
 
 
 def test_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
@@ -479,9 +592,9 @@ def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(
     first = run / "checkpoint-1"
     assert f"{first}, is intact: continue from it with --resume {first}" in err
     grpo.main(["--resume", str(first), "--steps", "2"])  # as the error says
-    assert harness.find_checkpoint(run).name == "checkpoint-2"
-    assert harness.damaged_weights(run / "checkpoint-2") is None
-    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2]
+    assert common.find_checkpoint(run).name == "checkpoint-2"
+    assert common.damaged_weights(run / "checkpoint-2") is None
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]
 
 
 def test_hand_edited_saved_flags_are_checked_as_the_command_line(tmp_path, one_line_error):
@@ -509,7 +622,7 @@ def test_hand_edited_saved_flags_are_checked_as_the_command_line(tmp_path, one_l
             assert err.startswith(f"error: {saved}: "), err
     saved.write_text(json.dumps({**good, "lr": 1}))  # an int for a float, as --lr 1 is
     grpo.main(["--resume", str(tmp_path / "e")])
-    assert harness.load_trainer_state(harness.find_checkpoint(tmp_path / "e"))["args"]["lr"] == 1.0
+    assert common.load_trainer_state(common.find_checkpoint(tmp_path / "e"))["args"]["lr"] == 1.0
 
 
 @pytest.mark.parametrize("at", [2, 1])
@@ -558,5 +671,5 @@ def test_a_second_ctrl_c_while_saving_is_one_line_and_the_checkpoint_stays_whole
     assert not (run / f"checkpoint-{at}").exists()
     monkeypatch.setattr(torch, "save", real_save)
     grpo.main(["--resume", str(run)])
-    assert [r["step"] for r in harness.read_metrics(run)] == [1, 2, 3]
-    assert harness.find_checkpoint(run).name == "checkpoint-3"
+    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3]
+    assert common.find_checkpoint(run).name == "checkpoint-3"

@@ -24,10 +24,10 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
-import tasks  # noqa: E402
 import erpo  # noqa: E402
 import tepo  # noqa: E402
 from integrations import trl_trainers as tt  # noqa: E402
+from tools import make_data  # noqa: E402
 
 TEMPERATURE = 0.7  # not 1, so that a missing division by the temperature shows
 
@@ -64,10 +64,10 @@ def _tok():
 
 
 def _prompts(tok):
-    rows = tasks.tiny_task("train", 8)
+    rows = common.load_problems("tiny", "train", limit=8)
     return Dataset.from_list(
         [
-            {"prompt": tasks.build_prompt(tok, r["problem"], "tiny"), "answer": r["answer"]}
+            {"prompt": common.build_prompt(tok, r["problem"], "tiny"), "answer": r["answer"]}
             for r in rows
         ]
     )
@@ -171,7 +171,7 @@ def _k3(q, logp):
     return torch.exp(q - logp) - (q - logp) - 1
 
 
-def _tepo_by_hand(logp, old, kl_logp, A, mask, M, N, lo, hi, kl_coef, level):
+def _tepo_by_hand(logp, old, ref_logp, A, mask, M, N, lo, hi, kl_coef, level):
     """TEPO's loss written out directly. The sequence ratio in GSPO's form exp(mean log-ratio),
     shared by the row: its gradient on the token-mean equals the carried ratio's (|o_i| equal
     terms, each with d/d logp_it = s_i / |o_i|)."""
@@ -184,7 +184,7 @@ def _tepo_by_hand(logp, old, kl_logp, A, mask, M, N, lo, hi, kl_coef, level):
         s = torch.exp(logp - old)
     A = A[:, None]
     pg = -torch.minimum(s * A, s.clamp(1 - lo, 1 + hi) * A)
-    kl = torch.where(M, _k3(kl_logp, logp), 0.0)
+    kl = torch.where(M, _k3(ref_logp, logp), 0.0)
     return torch.where(m, pg + kl_coef * kl, 0.0).sum() / N
 
 
@@ -222,20 +222,19 @@ def test_prepare_inputs_gives_every_micro_batch_its_optimizer_step_size(tepo_tra
 
 # ================================================================ TEPO: loss path
 @pytest.mark.parametrize(
-    "entropy_test,kl_target,ratio_level",
+    "entropy_test,ratio_level",
     [
-        ("predicted", "ref", "sequence"),
-        ("observed", "ref", "sequence"),
-        ("predicted", "old", "token"),
-        ("observed", "old", "token"),
+        ("predicted", "sequence"),
+        ("observed", "sequence"),
+        ("predicted", "token"),
+        ("observed", "token"),
     ],
 )
 def test_tepo_loss_path_equals_tepo_loss_on_fixed_inputs(
-    tepo_trainer, monkeypatch, entropy_test, kl_target, ratio_level
+    tepo_trainer, monkeypatch, entropy_test, ratio_level
 ):
     a = tepo_trainer.args
     monkeypatch.setattr(a, "entropy_test", entropy_test)
-    monkeypatch.setattr(a, "kl_target", kl_target)
     monkeypatch.setattr(a, "ratio_level", ratio_level)
     inputs, logp0, entropy = _random_inputs(0, A=[1.2, -0.7, 0.0, 0.4])
     inputs[tt.WINDOW_TOKENS] = 37.0  # the whole optimizer step's share, not this micro-batch's 22
@@ -252,18 +251,18 @@ def test_tepo_loss_path_equals_tepo_loss_on_fixed_inputs(
     )
     M = (A[:, None] > 0) & falls & mask.bool()
     assert 0 < M.sum() < mask.sum()  # the mask selects some tokens, not all
-    kl_logp = inputs["ref_per_token_logps"] if kl_target == "ref" else old
-    ref_logp = logp0.clone().requires_grad_()
+    ref = inputs["ref_per_token_logps"]
+    want_logp = logp0.clone().requires_grad_()
     want = tepo.tepo_loss(
-        ref_logp, old, kl_logp, A, mask, M, 0.2, 0.28, 0.04, ratio_level, num_tokens=37.0
+        want_logp, old, ref, A, mask, M, 0.2, 0.28, 0.04, ratio_level, num_tokens=37.0
     )
     want.backward()
     hand_logp = logp0.clone().requires_grad_()
-    hand = _tepo_by_hand(hand_logp, old, kl_logp, A, mask, M, 37.0, 0.2, 0.28, 0.04, ratio_level)
+    hand = _tepo_by_hand(hand_logp, old, ref, A, mask, M, 37.0, 0.2, 0.28, 0.04, ratio_level)
     hand.backward()
     assert loss.dtype == torch.float64
     assert abs(loss.item() - want.item()) < 1e-12 and abs(loss.item() - hand.item()) < 1e-12
-    assert torch.allclose(logp.grad, ref_logp.grad, atol=1e-12, rtol=0)
+    assert torch.allclose(logp.grad, want_logp.grad, atol=1e-12, rtol=0)
     assert torch.allclose(logp.grad, hand_logp.grad, atol=1e-12, rtol=0)
     assert logp.grad[mask == 0].abs().max() == 0 and logp.grad.abs().max() > 1e-3
 
@@ -341,8 +340,8 @@ def _tepo_py_args():
 
 def _text_batch(tok, n=4):
     """Real tiny-task prompts and solutions (likely tokens: c > 0 on many) in TRL's layout."""
-    rows = tasks.tiny_task("train", n, seed=3)
-    p = [tok(tasks.build_prompt(tok, r["problem"], "tiny"))["input_ids"] for r in rows]
+    rows = make_data.tiny_task("train", n, seed=3)
+    p = [tok(common.build_prompt(tok, r["problem"], "tiny"))["input_ids"] for r in rows]
     c = [tok(r["solution"][: 6 + 5 * i] + "<|im_end|>")["input_ids"] for i, r in enumerate(rows)]
     Tp, T = max(map(len, p)), max(map(len, c))
     left = lambda x, n: [0] * (n - len(x)) + x  # noqa: E731
@@ -362,10 +361,11 @@ def test_sampling_policy_pass_matches_tepo_py(tepo_trainer, tok):
     with torch.no_grad():
         logp, entropy, c = tepo_trainer._sampling_policy_pass(batch, with_c=True)
     mine = dict(batch, mask=batch["completion_mask"])
-    want_logp, want_entropy, want_c = tepo.batch_logps(
-        tepo_trainer.model, mine, _tepo_py_args(), extra=tepo.entropy_change_c
-    )
-    tepo_trainer.model.train()  # batch_logps leaves the model in eval mode
+    want_logp, want_entropy, want_c = (torch.zeros(m.shape) for m in [mine["mask"]] * 3)
+    for where, logits, ids in tepo.sampled_logits(tepo_trainer.model, mine, _tepo_py_args()):
+        want_logp[where], want_entropy[where] = tepo.logp_and_entropy(logits, ids)  # as train()
+        want_c[where] = tepo.entropy_change_c(logits, ids)
+    tepo_trainer.model.train()  # sampled_logits leaves the model in eval mode
     m = batch["completion_mask"].bool()
     assert torch.allclose(logp, want_logp.to(logp.dtype), atol=1e-5)
     assert torch.allclose(entropy, want_entropy.to(entropy.dtype), atol=1e-5)
@@ -396,9 +396,7 @@ def test_tepo_loss_through_the_model_matches_tepo_py(tepo_trainer, tok):
 
     model.zero_grad()
     mine = dict(inputs, mask=inputs["completion_mask"])
-    logp, _, _ = tepo.token_logps_and_entropy(
-        model, mine, torch.arange(4), _tepo_py_args(), with_entropy=False
-    )
+    logp = tepo.token_logps(model, mine, torch.arange(4), _tepo_py_args()).logp
     mask, A = inputs["completion_mask"], inputs["advantages"]
     M = (A[:, None] > 0) & (c > 0) & mask.bool()
     assert 0 < M.sum() < mask.sum()
@@ -427,15 +425,11 @@ def test_configs_map_tepo_and_erpo_flags_and_refuse_what_they_would_ignore(tmp_p
     cfg = _config(tt.TEPOConfig, tmp_path)
     # tepo.py's
     assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (3e-4, 4e-4, 0.04, 0.04)
-    assert (cfg.ratio_level, cfg.entropy_test, cfg.kl_target, cfg.entropy_tol) == (
-        "sequence",
-        "predicted",
-        "ref",
-        1e-3,
-    )
+    assert (cfg.ratio_level, cfg.entropy_test, cfg.entropy_tol) == ("sequence", "predicted", 1e-3)
     assert cfg.disable_dropout and not cfg.vllm_importance_sampling_correction
-    assert _config(tt.TEPOConfig, tmp_path, kl_target="old").beta == 0.0  # no reference model
-    assert _config(tt.TEPOConfig, tmp_path, kl_coef=0.0).beta == 0.0
+    # tepo.py's --kl-target and --loss-agg were rejected by a study and removed: so here
+    assert not hasattr(cfg, "kl_target") and not hasattr(cfg, "loss_agg")
+    assert _config(tt.TEPOConfig, tmp_path, kl_coef=0.0).beta == 0.0  # no reference model
     assert _config(tt.TEPOConfig, tmp_path, bf16=True).entropy_tol == 0.05
     for bad in (
         dict(beta=0.1),
@@ -445,7 +439,6 @@ def test_configs_map_tepo_and_erpo_flags_and_refuse_what_they_would_ignore(tmp_p
         dict(entropy_coef=0.01),
         dict(delta=2.0),
         dict(use_bias_correction_kl=True),
-        dict(kl_target="reference"),
         dict(entropy_test="both"),
         dict(kl_coef=-1.0),
         dict(epsilon=1.0),
@@ -547,11 +540,11 @@ def test_erpo_loss_path_equals_erpo_loss_on_fixed_inputs(erpo_trainer, monkeypat
 
 # ================================================================ end to end: two optimizer steps
 def _tiebreak_reward(completions, answer, **kwargs):
-    """tasks.grade's correctness, plus a small deterministic function of the text, so that a
+    """common.grade's correctness, plus a small deterministic function of the text, so that a
     group of different completions is never all equal and every step has a learning signal,
     whatever the tiny model samples."""
     return [
-        float(tasks.grade(c, a).correct) + 0.01 * (zlib.crc32(c.encode()) % 7)
+        float(common.grade(c, a).correct) + 0.01 * (zlib.crc32(c.encode()) % 7)
         for c, a in zip(completions, answer)
     ]
 

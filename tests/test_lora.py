@@ -14,8 +14,6 @@ from transformers import AutoModelForCausalLM
 import common
 import eval as ev
 import grpo
-import harness
-import tasks
 from common import UserError
 from tools import export_merged
 
@@ -46,9 +44,8 @@ def _args(**kw):
 
 
 def _batch(policy, tokenizer, args, n=4):
-    prompts = [
-        tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in tasks.tiny_task("train", n)
-    ]
+    rows = common.load_problems("tiny", "train", limit=n)
+    prompts = [common.build_prompt(tokenizer, p["problem"], "tiny") for p in rows]
     eos = grpo.eos_token_ids(policy, tokenizer)
     return grpo.generate_rollouts(policy, tokenizer, prompts, 2, args, eos, torch.device("cpu"))
 
@@ -76,46 +73,43 @@ def test_kl_is_exactly_zero_at_step_0_and_the_reference_is_the_base(bf16):
     args = _args(bf16=bf16)
     policy = grpo.load_model("tiny", torch.device("cpu"), args, trainable=True)
     tokenizer, _ = grpo.load_tokenizer("tiny", False)
-    ref = grpo.load_reference(policy, torch.device("cpu"), args)
-    assert isinstance(ref, grpo.AdapterOff)  # no second model
+    assert grpo.load_reference(torch.device("cpu"), args) is None  # no second model
     batch = _batch(policy, tokenizer, args)
-    logp, ref_logp = grpo.batch_logps(policy, batch, args)[0], grpo.batch_logps(ref, batch, args)[0]
+    logp = grpo.batch_logps(policy, batch, args).logp
+    ref_logp = grpo.reference_logps(policy, None, batch, args).logp
     assert torch.equal(logp, ref_logp)
     m = batch["mask"].bool()
     assert torch.where(m, grpo.k3_kl(ref_logp, logp), 0.0).sum().item() == 0.0
     # one update on the adapters
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
     policy.train()
-    lp = grpo.token_logps_and_entropy(
-        policy, batch, torch.arange(len(m)), args, with_entropy=False
-    )[0]
+    lp = grpo.token_logps(policy, batch, torch.arange(len(m)), args).logp
     (-torch.where(m, lp, 0.0).sum()).backward()
     opt.step()
-    after = grpo.batch_logps(policy, batch, args)[0]
-    ref_after = grpo.batch_logps(ref, batch, args)[0]
+    after = grpo.batch_logps(policy, batch, args).logp
+    ref_after = grpo.reference_logps(policy, None, batch, args).logp
     assert not torch.equal(after, ref_after)
+    assert torch.equal(grpo.batch_logps(policy, batch, args).logp, after)  # adapters back on
     base = grpo.load_model(
         "tiny",
         torch.device("cpu"),
         grpo.resolve_args(grpo.Args(device="cpu", run_name="t", bf16=bf16)),
         trainable=False,
     )
-    assert torch.equal(ref_after, grpo.batch_logps(base, batch, args)[0])
+    assert torch.equal(ref_after, grpo.batch_logps(base, batch, args).logp)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_an_update_changes_only_the_adapters(name, tmp_path):
+def test_an_update_changes_only_the_adapters(name, tmp_path, monkeypatch):
     mod = importlib.import_module(name)
-    seen = {}
+    seen, end_step = {}, common.Run.end_step
 
-    def grab(run, step, metrics):
+    def grab(run, step, metrics):  # the policy as the step leaves it
         seen["policy"] = run.models[""]
+        return end_step(run, step, metrics)
 
-    harness.STEP_HOOKS.append(grab)
-    try:
-        mod.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
-    finally:
-        harness.STEP_HOOKS.remove(grab)
+    monkeypatch.setattr(common.Run, "end_step", grab)
+    mod.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
     base = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
     state = {
         k.replace("base_model.model.", "").replace(".base_layer", ""): v
@@ -126,7 +120,7 @@ def test_an_update_changes_only_the_adapters(name, tmp_path):
     assert sum(k in state for k in base) >= len(base) - 1  # (a tied output layer may be absent)
     moved = [k for k, v in state.items() if "lora_B" in k and v.abs().sum() > 0]
     assert moved, "no adapter moved"
-    ckpt = harness.find_checkpoint(tmp_path / "r")
+    ckpt = common.find_checkpoint(tmp_path / "r")
     assert (ckpt / "adapter_config.json").is_file()
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert not (ckpt / "model.safetensors").exists()  # adapters only, not the full weights
@@ -142,11 +136,11 @@ def test_lora_resume_is_exact(tmp_path):
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "b"])
     grpo.main(["--resume", str(tmp_path / "b"), "--steps", "2"])
     wa, wb = (
-        load_file(str(harness.find_checkpoint(tmp_path / r) / "adapter_model.safetensors"))
+        load_file(str(common.find_checkpoint(tmp_path / r) / "adapter_model.safetensors"))
         for r in "ab"
     )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    ra, rb = harness.read_metrics(tmp_path / "a"), harness.read_metrics(tmp_path / "b")
+    ra, rb = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
 
 
@@ -154,7 +148,7 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
     grpo.main(
         [*FAST, "--steps", "2", "--lr", "0.05", "--output-dir", str(tmp_path), "--run-name", "a"]
     )
-    ckpt = harness.find_checkpoint(tmp_path / "a")
+    ckpt = common.find_checkpoint(tmp_path / "a")
     assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
         common.TINY_MODEL_DIR.resolve()
     )  # a full path: found from any folder
@@ -168,10 +162,10 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
     batch = _batch(policy, tokenizer, args)
     full = grpo.resolve_args(grpo.Args(device="cpu", run_name="t"))
     plain = grpo.load_model(str(merged), torch.device("cpu"), full, trainable=False)
-    plain_logp = grpo.batch_logps(plain, batch, full)[0]
-    adapter_logp = grpo.batch_logps(policy, batch, args)[0]
+    plain_logp = grpo.batch_logps(plain, batch, full).logp
+    adapter_logp = grpo.batch_logps(policy, batch, args).logp
     # it learned
-    assert not torch.equal(adapter_logp, grpo.batch_logps(grpo.AdapterOff(policy), batch, args)[0])
+    assert not torch.equal(adapter_logp, grpo.reference_logps(policy, None, batch, args).logp)
     # merging reorders sums
     torch.testing.assert_close(plain_logp, adapter_logp, rtol=1e-4, atol=1e-4)
     # eval.py scores the adapter checkpoint directly, as the merged folder (greedy: same answers)
@@ -203,7 +197,7 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
 def test_bad_lora_input_is_one_line(tmp_path, monkeypatch, one_line_error):
     out = ["--output-dir", str(tmp_path)]
     assert "--lora-rank must be >= 0" in one_line_error(grpo.main, ["--lora-rank", "-1", *out])
-    assert "--lora-alpha > 0" in one_line_error(
+    assert "--lora-alpha must be > 0, not 0.0" in one_line_error(
         grpo.main, ["--lora-rank", "4", "--lora-alpha", "0", *out]
     )
     err = one_line_error(
@@ -224,9 +218,14 @@ def test_bad_lora_input_is_one_line(tmp_path, monkeypatch, one_line_error):
 
 
 def test_the_lora_learning_rate_comes_from_the_preset():
-    assert grpo.resolve_args(grpo.Args(device="cpu", run_name="t")).lr == grpo.PRESETS["tiny"]["lr"]
-    assert _args().lr == grpo.PRESETS["tiny"]["lora_lr"] == 5 * grpo.PRESETS["tiny"]["lr"]
-    assert _args(lr=1e-3).lr == 1e-3
+    assert grpo.resolve_args(grpo.Args(device="cpu", run_name="t")).lr == grpo.Args().lr == 2e-4
+    assert _args().lr == grpo.PRESETS["tiny"]["lora_lr"] == 5 * grpo.Args().lr
+    assert _args(lr=3e-3).lr == 3e-3  # an lr given wins
+    # ... even one given at the default's value: the preset changes only the flags not passed
+    given = common.parse_args(grpo.Args, ["--lora-rank", "4", "--lr", "2e-4", "--device", "cpu"])
+    assert given.given >= {"lr", "lora_rank"} and grpo.resolve_args(given).lr == 2e-4
+    not_given = common.parse_args(grpo.Args, ["--lora-rank", "4", "--device", "cpu"])
+    assert grpo.resolve_args(not_given).lr == grpo.PRESETS["tiny"]["lora_lr"]
     assert grpo.PRESETS["gpu"]["lora_lr"] == pytest.approx(10 * grpo.PRESETS["gpu"]["lr"])
 
 
@@ -257,7 +256,7 @@ def test_short_seeded_lora_run_learns(tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
+    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 80
     assert last >= first + 0.07, (first, last)
@@ -277,3 +276,24 @@ def test_export_onto_an_existing_file_is_one_line(tmp_path, capsys):
     assert e.value.code == 2 and "Traceback" not in err, err
     assert err.strip() == f"error: {out} is a file, not a folder: pick a new folder", err
     assert out.read_text() == "keep me"
+
+
+def test_an_export_that_fails_midway_leaves_no_half_written_folder(tmp_path, monkeypatch):
+    """Issue 52: a full disk (or a kill) while the merged model was saved left a folder with a
+    config and part of the weights, which eval.py would then try to load, and which blocked a
+    second try ("exists and is not empty"). It is written beside and renamed into place now."""
+    from transformers import AutoTokenizer
+
+    grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "a"])
+    ckpt, out = common.find_checkpoint(tmp_path / "a"), tmp_path / "merged"
+
+    class FullDisk:
+        def save_pretrained(self, path):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: FullDisk())
+    with pytest.raises(UserError, match="cannot write .*No space left on device"):
+        export_merged.export_merged(str(ckpt), str(out))
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+    monkeypatch.undo()
+    assert (export_merged.export_merged(str(ckpt), str(out)) / "config.json").is_file()

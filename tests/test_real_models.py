@@ -13,10 +13,9 @@ import torch
 
 import common
 import grpo
-import harness
-import tasks
 import tepo
 from common import UserError
+from tools import make_data
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -25,18 +24,25 @@ SMOLLM = ROOT / "models" / "SmolLM2-135M-Instruct"
 # =====================================================================================
 # The word problems
 # =====================================================================================
+def _bundled(name: str, split: str) -> list[dict]:
+    """data/<name>/<split>.jsonl as written: problem, solution and answer."""
+    path = common.DATA / name / f"{split}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_word_problem_splits_are_disjoint_deterministic_and_graded():
-    train, test = tasks.word_problems("train"), tasks.word_problems("test")
+    train, test = _bundled("words", "train"), _bundled("words", "test")
     assert len(train) > 5000 and len(test) > 500
     # disjoint by a hash of the text
     assert not {e["problem"] for e in train} & {e["problem"] for e in test}
-    assert tasks.word_problems("test", 5, seed=3) == tasks.word_problems("test", 5, seed=3)
+    assert make_data.word_problems("test", 5, seed=3) == make_data.word_problems("test", 5, seed=3)
     # the seed shuffles
-    assert tasks.word_problems("test", 5, seed=3) != tasks.word_problems("test", 5, seed=4)
-    assert all(tasks.tiny_is_heldout(e["problem"]) for e in test)
+    assert make_data.word_problems("test", 5, seed=3) != make_data.word_problems("test", 5, seed=4)
+    assert make_data.word_problems("test") == test  # the files hold the generator's seed 0
+    assert all(make_data.tiny_is_heldout(e["problem"]) for e in test)
     steps = {e["solution"].count("\n") for e in train}
     assert steps == {1, 2, 3}  # one to three steps
-    assert len({e["problem"].split()[0] for e in train}) == len(tasks.NAMES)  # several names
+    assert len({e["problem"].split()[0] for e in train}) == len(make_data.NAMES)  # several names
     for e in train[:200]:  # the worked solution is right, and its answer is a whole number
         *lines, last = e["solution"].split("\n")
         for line in lines:
@@ -52,34 +58,37 @@ def test_word_problem_splits_are_disjoint_deterministic_and_graded():
                 value = int(a) + int(b) * int(rest[1])
             assert value == int(rhs) >= 0, line
         assert last == f"The answer is {e['answer']}." and int(e["answer"]) >= 0
-        assert tasks.grade(e["solution"], e["answer"], extraction="math_verify").correct
-        assert not tasks.grade(
+        assert common.grade(e["solution"], e["answer"], extraction="math_verify").correct
+        assert not common.grade(
             e["solution"].replace(f"is {e['answer']}.", f"is {int(e['answer']) + 1}."),
             e["answer"],
             extraction="math_verify",
         ).correct
-    with pytest.raises(UserError, match="splits 'train' and 'test'"):
-        tasks.word_problems("validation")
+    with pytest.raises(ValueError, match="splits 'train' and 'test'"):
+        make_data.word_problems("validation")
+    with pytest.raises(UserError, match="the bundled set 'words' has splits train and test"):
+        common.load_problems("words", "validation")
 
 
 def test_the_words_dataset_in_the_scripts_and_eval():
-    assert tasks.load_problems("words", "test", limit=3) == [
-        {"problem": e["problem"], "answer": e["answer"]} for e in tasks.word_problems("test", 3)
+    assert common.load_problems("words", "test", limit=3) == [
+        {"problem": e["problem"], "answer": e["answer"]} for e in _bundled("words", "test")[:3]
     ]
     import eval as ev
 
     label, source, rows = ev.load_benchmark("words", ev.Args(eval_n=4))
-    assert label == "words" and source == "tasks.word_problems('test')" and len(rows) == 4
+    assert label == "words" and source == "data/words/test.jsonl" and len(rows) == 4
+    assert rows == common.load_problems("words", "test", limit=4)
 
 
 def test_the_chat_template_uses_the_models_own_chat_template():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
-    text = tasks.build_prompt(tok, "Tom has 3 apples.", "chat")
+    text = common.build_prompt(tok, "Tom has 3 apples.", "chat")
     assert text == tok.apply_chat_template(
         [
-            {"role": "system", "content": tasks.CHAT_INSTRUCTION},
+            {"role": "system", "content": common.CHAT_INSTRUCTION},
             {"role": "user", "content": "Tom has 3 apples."},
         ],
         tokenize=False,
@@ -87,8 +96,8 @@ def test_the_chat_template_uses_the_models_own_chat_template():
     )
     tok.chat_template = None
     assert (
-        tasks.build_prompt(tok, "Tom has 3 apples.", "chat")
-        == f"Tom has 3 apples.\n{tasks.CHAT_INSTRUCTION}\n"
+        common.build_prompt(tok, "Tom has 3 apples.", "chat")
+        == f"Tom has 3 apples.\n{common.CHAT_INSTRUCTION}\n"
     )
 
 
@@ -135,7 +144,12 @@ def test_the_preset_is_picked_by_model_and_device(mod, real_llama, monkeypatch):
         "math_verify",
     )
     assert cpu.lora_rank == 16 and cpu.lr == mod.PRESETS["cpu"]["lora_lr"]
-    assert resolved(model=str(real_llama), device="cpu", lora_rank=0).lr == mod.PRESETS["cpu"]["lr"]
+    # --lora-rank 0 given: full fine-tuning at the preset's lr (the preset fills only the flags
+    # not passed, even where the value passed is the default's)
+    argv = ["--model", str(real_llama), "--device", "cpu", "--run-name", "x", "--lora-rank", "0"]
+    full = mod.resolve_args(common.parse_args(mod.Args, argv))
+    assert (full.preset, full.lora_rank, full.lr) == ("cpu", 0, mod.PRESETS["cpu"]["lr"])
+    assert mod.resolve_args(common.parse_args(mod.Args, argv[:-2])).lora_rank == 16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: the real run's preset
     gpu = resolved(model=str(real_llama), device="auto")
     assert (gpu.preset, gpu.max_new_tokens, gpu.lora_rank, gpu.lr) == ("gpu", 3000, 0, 1e-6)
@@ -155,6 +169,9 @@ def test_a_bad_preset_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         grpo.main(["--preset", "huge", "--output-dir", str(tmp_path)])
     assert e.value.code == 2 and "--preset: invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_a_bad_preset_in_code_is_a_user_error():
     with pytest.raises(
         UserError, match="unknown --preset 'huge'; choose from auto, tiny, cpu, gpu"
     ):
@@ -190,9 +207,9 @@ def test_a_real_architecture_trains_on_the_cpu_preset(real_llama, tmp_path):
     tepo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert (args["preset"], args["dataset"], args["lora_rank"]) == ("cpu", "words", 16)
-    rows = harness.read_metrics(tmp_path / "r")
+    rows = common.read_metrics(tmp_path / "r")
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/greedy_acc" in rows[-1]
-    assert (harness.find_checkpoint(tmp_path / "r") / "adapter_config.json").is_file()
+    assert (common.find_checkpoint(tmp_path / "r") / "adapter_config.json").is_file()
 
 
 # =====================================================================================
@@ -219,5 +236,5 @@ def test_smollm2_learns_on_the_cpu_preset(name, tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/greedy_acc" in r]
+    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/greedy_acc" in r]
     assert evals[-1]["eval/greedy_acc"] >= evals[0]["eval/greedy_acc"] + 0.10, evals

@@ -11,8 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import tasks
-import harness
 import sapo
 
 SMALL = [
@@ -42,13 +40,8 @@ METRICS = (
     "clip_frac",
     "completion_len",
     "truncated_frac",
-    "time/generate",
-    "time/reward",
-    "time/old_logp",
-    "time/ref_logp",
-    "time/advantage",
-    "time/update",
     "time/step",
+    "tokens",
     "tokens_per_s",
     "unparsable_frac",
     "grad_norm",
@@ -78,7 +71,7 @@ def _args(**kw):
 
 
 def _weights(run_dir, sub=""):
-    ckpt = harness.find_checkpoint(run_dir)
+    ckpt = common.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / sub / "model.safetensors"))
 
 
@@ -125,8 +118,8 @@ def test_token_values_are_the_value_of_the_prefix_before_each_token(tiny):
     with torch.no_grad():  # a non-zero head, so the values differ from position to position
         critic.score.weight.normal_()
         critic.score.bias.fill_(0.3)
-    rows = tasks.tiny_task("train", 3)
-    prompts = [tasks.build_prompt(tokenizer, r["problem"], "tiny") for r in rows]
+    rows = common.load_problems("tiny", "train", limit=3)
+    prompts = [common.build_prompt(tokenizer, r["problem"], "tiny") for r in rows]
     prompts[1] = prompts[1] + "9+9+9"  # prompts of different lengths: left padding differs
     eos = sapo.eos_token_ids(policy, tokenizer)
     batch = sapo.generate_rollouts(policy, tokenizer, prompts, 2, args, eos, torch.device("cpu"))
@@ -151,9 +144,8 @@ def test_value_loss_gradient_reaches_the_critic(tiny):
     args, tokenizer, policy = tiny
     critic = sapo.load_critic("tiny", torch.device("cpu"), args, tokenizer)
     critic.train()
-    prompts = [
-        tasks.build_prompt(tokenizer, r["problem"], "tiny") for r in tasks.tiny_task("train", 2)
-    ]
+    rows = common.load_problems("tiny", "train", limit=2)
+    prompts = [common.build_prompt(tokenizer, r["problem"], "tiny") for r in rows]
     batch = sapo.generate_rollouts(
         policy,
         tokenizer,
@@ -207,7 +199,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     )
     ckpt_b2, _ = _weights(tmp_path / "b")
     assert ckpt_b2.name == "checkpoint-2" and (ckpt_b2 / "critic" / "model.safetensors").is_file()
-    assert "critic_optimizer" in harness.load_trainer_state(ckpt_b2, "optimizer.pt")
+    assert "critic_optimizer" in common.load_trainer_state(ckpt_b2, "optimizer.pt")
     sapo.main(["--resume", str(tmp_path / "b"), "--steps", "3"])
     for sub in ("", "critic"):
         ckpt_a, wa = _weights(tmp_path / "a", sub)
@@ -219,11 +211,13 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     _, w_critic = _weights(tmp_path / "a", "critic")
     # the head learned
     assert any(w.abs().sum() > 0 for k, w in w_critic.items() if k.startswith("score."))
-    rows_a, rows_b = harness.read_metrics(tmp_path / "a"), harness.read_metrics(tmp_path / "b")
+    rows_a, rows_b = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
     assert rows_a[-1]["reward"] == rows_b[-1]["reward"] and rows_a[-1]["loss"] == rows_b[-1]["loss"]
     assert rows_a[-1]["value_loss"] == rows_b[-1]["value_loss"]
     for key in METRICS:
         assert key in rows_a[-1], key
+    for row in rows_a:  # the step's wall time only: phases are a tool's to time
+        assert not [k for k in row if k.startswith("time/") and k != "time/step"], row
     last = rows_a[-1]
     assert last["segments_per_completion"] >= 1 and last["segment_len"] >= 1
     assert last["seg_ratio_min"] <= last["seg_ratio_max"] and 0 <= last["clip_frac"] <= 1
@@ -234,7 +228,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     # the checkpoint is an ordinary Hugging Face folder, its critic one too
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    ckpt = harness.find_checkpoint(tmp_path / "a")
+    ckpt = common.find_checkpoint(tmp_path / "a")
     AutoModelForCausalLM.from_pretrained(ckpt)
     assert AutoModelForTokenClassification.from_pretrained(ckpt / "critic").config.num_labels == 1
 
@@ -255,7 +249,7 @@ def test_flag_variants_run(flags, tmp_path):
             *flags,
         ]
     )
-    row = harness.read_metrics(tmp_path / "v")[-1]
+    row = common.read_metrics(tmp_path / "v")[-1]
     assert row["value_loss"] > 0 and row["segments_per_completion"] >= 1
     assert ("kl" in row) == ("--kl-coef" not in flags)  # no reference model, no KL in the reward
     saved = json.loads((tmp_path / "v" / "args.json").read_text())
@@ -303,7 +297,7 @@ def test_critic_from_another_local_model(tmp_path):
             *SMALL,
         ]
     )
-    ckpt = harness.find_checkpoint(tmp_path / "c")
+    ckpt = common.find_checkpoint(tmp_path / "c")
     assert json.loads((ckpt / "critic" / "config.json").read_text())["hidden_size"] == 32
     assert json.loads((ckpt / "config.json").read_text())["hidden_size"] == 128
     w = load_file(str(ckpt / "critic" / "model.safetensors"))
@@ -311,7 +305,7 @@ def test_critic_from_another_local_model(tmp_path):
     changed = [k for k in start if k in w and not torch.equal(w[k], start[k])]
     # the critic's base was trained (from step 2 on: at step 1 the zero head passes no gradient)
     assert changed
-    assert "explained_var" in harness.read_metrics(tmp_path / "c")[-1]
+    assert "explained_var" in common.read_metrics(tmp_path / "c")[-1]
 
 
 # ------------------------------------------------------------------ clear errors
@@ -347,10 +341,15 @@ def test_bad_flags_are_one_line_errors(flags, message, tmp_path, capsys):
 
 
 def test_group_size_one_is_allowed_and_is_the_default():
-    assert _args().group_size == 1  # every preset: one completion per prompt
-    assert all(p["group_size"] == 1 for p in sapo.PRESETS.values())
-    # tiny preset: the other scripts' 128 completions per step
-    assert _args().prompts_per_step == 128
+    # SAPO's own defaults (its Args), which no preset changes: one completion per prompt
+    assert sapo.Args().group_size == 1 and sapo.Args().critic_lr == 4e-4
+    assert not any("group_size" in p for p in sapo.PRESETS.values())
+    got = {p: _args(preset=p, run_name="x") for p in ("tiny", "cpu", "gpu")}
+    assert {p: a.group_size for p, a in got.items()} == {"tiny": 1, "cpu": 1, "gpu": 1}
+    # tiny preset: the other scripts' 128 completions per step; the critic's lr from the preset
+    assert {p: a.prompts_per_step for p, a in got.items()} == {"tiny": 128, "cpu": 32, "gpu": 256}
+    assert {p: a.critic_lr for p, a in got.items()} == {"tiny": 4e-4, "cpu": 6e-5, "gpu": 2e-6}
+    assert _args(group_size=4, run_name="x").group_size == 4  # a group, when asked for
 
 
 def test_critic_with_another_vocabulary_is_refused(tmp_path, capsys):
@@ -400,7 +399,7 @@ def test_short_seeded_run_learns(tmp_path):
             "learn",
         ]
     )
-    rows = harness.read_metrics(tmp_path / "learn")
+    rows = common.read_metrics(tmp_path / "learn")
     evals = [r for r in rows if "eval/sampled_acc" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]

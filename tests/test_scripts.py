@@ -8,8 +8,6 @@ import pytest
 import torch
 
 import common
-import tasks
-import harness
 
 SCRIPTS = ["grpo", "dapo", "tepo"]
 SMALL = [
@@ -39,11 +37,8 @@ COMMON_METRICS = (
     "clip_frac",
     "completion_len",
     "truncated_frac",
-    "time/generate",
-    "time/reward",
-    "time/old_logp",
-    "time/update",
     "time/step",
+    "tokens",
     "tokens_per_s",
     "unparsable_frac",
     "grad_norm",
@@ -69,7 +64,7 @@ EXTRA_METRICS = {
 def _weights(run_dir):
     from safetensors.torch import load_file
 
-    ckpt = harness.find_checkpoint(run_dir)
+    ckpt = common.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / "model.safetensors"))
 
 
@@ -111,10 +106,15 @@ def test_smoke_two_steps_then_resume_exactly(name, tmp_path):
     ckpt_b, wb = _weights(tmp_path / "b")
     assert ckpt_a.name == ckpt_b.name == "checkpoint-3"
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "resume did not continue exactly"
-    rows_a, rows_b = harness.read_metrics(tmp_path / "a"), harness.read_metrics(tmp_path / "b")
+    rows_a, rows_b = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
     assert rows_a[-1]["reward"] == rows_b[-1]["reward"] and rows_a[-1]["loss"] == rows_b[-1]["loss"]
     for key in COMMON_METRICS + EXTRA_METRICS[name]:
         assert key in rows_a[-1], key
+    for row in rows_a:  # the step's wall time, evaluation included; phases are a tool's to time
+        assert not [k for k in row if k.startswith("time/") and k != "time/step"], row
+    last = rows_a[-1]
+    assert last["tokens"] == pytest.approx(last["tokens_per_s"] * last["time/step"], rel=1e-4)
+    assert 1 <= last["tokens"] <= last["completions"] * 40  # completion tokens, within the cap
     assert "eval/greedy_acc" in rows_a[0] and "eval/sampled_acc" in rows_a[-1]
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["steps"] == 3 and "last_eval" in summary
@@ -166,7 +166,7 @@ def test_local_dataset_file_trains(tmp_path):
     """A local .jsonl with custom column names goes through the same pipeline."""
     import grpo
 
-    rows = tasks.tiny_task("train", 64)
+    rows = common.load_problems("tiny", "train", limit=64)
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps({"q": r["problem"], "a": r["answer"]}) + "\n" for r in rows))
     grpo.main(
@@ -188,7 +188,7 @@ def test_local_dataset_file_trains(tmp_path):
             *SMALL,
         ]
     )
-    assert harness.read_metrics(tmp_path / "local")[-1]["step"] == 1
+    assert common.read_metrics(tmp_path / "local")[-1]["step"] == 1
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -221,7 +221,7 @@ def test_short_seeded_run_learns(name, tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in harness.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
+    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps
     assert last >= first + 0.07, (first, last)
@@ -267,20 +267,19 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:]
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = harness.find_checkpoint(run)
-    state = harness.load_trainer_state(ckpt)
-    last_logged = harness.read_metrics(run)[-1]["step"]
+    ckpt = common.find_checkpoint(run)
+    state = common.load_trainer_state(ckpt)
+    last_logged = common.read_metrics(run)[-1]["step"]
     assert state["step"] == last_logged == int(ckpt.name.split("-")[1]) >= 1
 
 
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--ratio-level", "token", "--entropy-baseline", "ref", "--kl-target", "old"],
+        ["--ratio-level", "token", "--entropy-baseline", "ref"],
         ["--entropy-test", "observed", "--entropy-baseline", "ref"],
         ["--entropy-test", "observed", "--entropy-tol", "0"],
         ["--entropy-baseline", "ref", "--kl-coef", "0"],
-        ["--kl-target", "old"],
     ],
 )
 def test_tepo_flag_variants_run(flags, tmp_path):
@@ -300,8 +299,22 @@ def test_tepo_flag_variants_run(flags, tmp_path):
             *flags,
         ]
     )
-    row = harness.read_metrics(tmp_path / "v")[-1]
+    row = common.read_metrics(tmp_path / "v")[-1]
     assert 0.0 <= row["mask_frac"] <= 1.0 and row["seq_ratio_min"] <= row["seq_ratio_max"]
+
+
+@pytest.mark.parametrize("flags", [["--kl-target", "old"], ["--loss-agg", "token-mean"]])
+def test_tepo_flags_a_study_rejected_are_gone(flags, tmp_path, capsys):
+    """--kl-target and --loss-agg were removed (issue 51; they live at commit 872b399): either is
+    an unknown flag, the usage line and exit 2, before anything runs."""
+    import tepo
+
+    with pytest.raises(SystemExit) as e:
+        tepo.main([*flags, "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and flags[0] in err and "Traceback" not in err
+    assert not {"kl_target", "loss_agg"} & set(tepo.Args.__dataclass_fields__)
+    assert not list(tmp_path.iterdir())
 
 
 def test_dapo_with_no_mixed_group_skips_the_update(tmp_path, capsys):
@@ -332,11 +345,11 @@ def test_dapo_with_no_mixed_group_skips_the_update(tmp_path, capsys):
     )
     text = (tmp_path / "z" / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    row = harness.read_metrics(tmp_path / "z")[-1]
+    row = common.read_metrics(tmp_path / "z")[-1]
     assert row["kept_groups"] == 0 and row["gen_rounds"] == 2 and row["dropped_groups"] == 8
     assert "round limit" in capsys.readouterr().out
     before = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    after = load_file(str(harness.find_checkpoint(tmp_path / "z") / "model.safetensors"))
+    after = load_file(str(common.find_checkpoint(tmp_path / "z") / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -377,7 +390,8 @@ def test_real_preset_on_a_local_model(local_real_model, tmp_path, capsys):
     )
     assert "cannot load dataset 'math'" in err
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in tasks.tiny_task("train", 8)))
+    rows = common.load_problems("tiny", "train", limit=8)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     grpo.main(
         [
             "--model",
@@ -408,7 +422,7 @@ def test_real_preset_on_a_local_model(local_real_model, tmp_path, capsys):
     )
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert args["lr"] == 1e-6 and args["template"] == "qwen_math" and args["max_new_tokens"] == 8
-    assert harness.read_metrics(tmp_path / "r")[-1]["step"] == 1
+    assert common.read_metrics(tmp_path / "r")[-1]["step"] == 1
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -437,8 +451,8 @@ def test_micro_batch_size_does_not_change_the_update(name, tmp_path):
     ]
     for mb in ("16", "6"):  # 6 splits 16 rows unevenly (6, 6, 4)
         mod.main([*base, "--micro-batch-size", mb, "--run-name", f"mb{mb}"])
-    w16 = load_file(str(harness.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
-    w6 = load_file(str(harness.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
+    w16 = load_file(str(common.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
+    w6 = load_file(str(common.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
     w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
     assert any(not torch.equal(w0[k], w16[k]) for k in w0)  # the step did update the model
     # Float noise only: Adam's first step is about lr x sign(g), so an element whose gradient is

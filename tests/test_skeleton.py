@@ -1,9 +1,10 @@
 """The algorithm scripts repeat one skeleton on purpose, below one banner, so `diff grpo.py
 tepo.py` shows the algorithm and nothing else: that block must be the same text in every script.
 Above it each script holds its lesson (flags, reward, advantage, loss, train) and nothing of the
-skeleton's, in the pipeline's order: the loss before train(). No script imports another: eval.py
-holds its own copy of the skeleton's functions it uses, the same text. No test counts lines: a
-file's length is for its reader to judge (lines stay within 100 columns: ruff, in CI)."""
+skeleton's, in the pipeline's order: the loss before train(). No script imports another, and
+common is the only module of this repository a script (or eval.py) imports: eval.py holds its own
+copy of the skeleton's functions it uses, the same text. No test counts lines: a file's length is
+for its reader to judge (lines stay within 100 columns: ruff, in CI)."""
 
 import ast
 from pathlib import Path
@@ -24,7 +25,6 @@ SKELETON = (
     "load_tokenizer",
     "load_model",
     "add_lora",
-    "AdapterOff",
     "load_reference",
     "eos_token_ids",
     "autocast",
@@ -35,14 +35,23 @@ SKELETON = (
     "generate_rollouts",
     "model_inputs",
     "micro_batches",
-    "_logp_entropy_chunk",
-    "token_logps_and_entropy",
+    "LogProbs",
+    "logp_and_entropy",
+    "hidden_states",
+    "_chunk_logps",
+    "token_logps",
+    "sampled_logits",
     "batch_logps",
+    "reference_logps",
     "evaluate",
     "show_samples",
     "rollout_metrics",
     "main",
 )
+# every module of this repository a script could import: its top-level files and packages, and
+# the two modules common.py replaced (a stale copy of either on disk must not be picked up)
+LOCAL = {p.stem for p in ROOT.glob("*.py")} | {"harness", "tasks"}
+LOCAL |= {p.parent.name for p in ROOT.glob("*/__init__.py")}
 # the skeleton's functions eval.py uses, copied: the same text as in the scripts
 EVAL_SHARES = ("eos_token_ids", "completion_mask", "decode_completions")
 
@@ -84,6 +93,8 @@ def test_the_skeleton_is_one_block_the_same_in_every_script(script):
 
 def test_the_skeleton_holds_the_plumbing():
     assert set(SKELETON) <= set(defs(split("grpo.py")[1]))
+    gone = {"AdapterOff", "_logp_entropy_chunk", "token_logps_and_entropy"}  # issue 51
+    assert not gone & set(defs(split("grpo.py")[1]))
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
@@ -92,10 +103,47 @@ def test_no_script_imports_another(script):
     assert not imported_modules(ROOT / script) & others, f"{script} imports another script"
 
 
-def test_the_harness_imports_neither_the_task_nor_a_script():
-    # harness.py is the run's plumbing: what the model is asked (tasks.py) is no part of it
-    scripts = {Path(s).stem for s in SCRIPTS + ("eval.py",)}
-    assert not imported_modules(ROOT / "harness.py") & {"tasks", *scripts}
+@pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
+def test_common_is_the_only_local_module_a_script_imports(script):
+    local = imported_modules(ROOT / script) & LOCAL
+    assert local == {"common"}, f"{script} imports {sorted(local - {'common'})} beside common"
+
+
+def test_harness_and_tasks_are_gone():
+    # merged into common.py (issue 51); the bundled data is data/*.jsonl (tools/make_data.py)
+    assert not (ROOT / "harness.py").exists() and not (ROOT / "tasks.py").exists()
+
+
+def test_common_imports_no_local_module():
+    # common.py is the run's plumbing: no script, no tool, nothing of this repository
+    assert not imported_modules(ROOT / "common.py") & LOCAL
+
+
+def calls(tree: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_script_reports_to_an_observer(script):
+    # tools wrap the scripts' functions from outside; a training loop calls no hook of theirs
+    tree = ast.parse((ROOT / script).read_text())
+    observed = [
+        c.lineno
+        for c in calls(tree)
+        if isinstance(c.func, ast.Attribute) and c.func.attr == "observe"
+    ]
+    assert not observed, f"{script} calls .observe( on lines {observed}"
+    assert ".observe(" not in (ROOT / script).read_text()
+
+
+def test_tepo_train_computes_c_itself():
+    # c_it, TEPO's predicted entropy change, is built in train() from the sampling policy's
+    # logits (sampled_logits), not in a hook or a helper of the skeleton
+    tree = ast.parse((ROOT / "tepo.py").read_text())
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    names = {c.func.id for c in calls(train) if isinstance(c.func, ast.Name)}
+    assert {"entropy_change_c", "sampled_logits"} <= names
+    assert "entropy_change_c" not in split("tepo.py")[1]  # the skeleton knows nothing of c
 
 
 @pytest.mark.parametrize("name", EVAL_SHARES)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import common
-import tasks
 import dapo
 import tepo
 
@@ -27,14 +26,14 @@ PPO_CLIP = dict(clip_low=0.2, clip_high=0.28)  # the hand values below are worke
 # where ratios of e^0.1 stay inside; the default range (3e-4 / 4e-4) has its own test
 
 
-def _loss(logp, old, A, mask, M, kl_logp, N, **kw):
-    # positional order of the API: logp, old_logp, kl_logp, advantages, mask, M, num_tokens
-    return tepo.tepo_loss(logp, old, kl_logp, A, mask, M, **{**PPO_CLIP, **kw}, num_tokens=N)
+def _loss(logp, old, A, mask, M, ref_logp, N, **kw):
+    # positional order of the API: logp, old_logp, ref_logp, advantages, mask, M, num_tokens
+    return tepo.tepo_loss(logp, old, ref_logp, A, mask, M, **{**PPO_CLIP, **kw}, num_tokens=N)
 
 
-def _stats(logp, old, A, mask, M, kl_logp, entropy, **kw):
+def _stats(logp, old, A, mask, M, ref_logp, entropy, **kw):
     kw.pop("kl_coef", None)  # the loss's only argument that the statistics do not take
-    return tepo.tepo_stats(logp, old, kl_logp, A, mask, M, entropy, **{**PPO_CLIP, **kw})
+    return tepo.tepo_stats(logp, old, ref_logp, A, mask, M, entropy, **{**PPO_CLIP, **kw})
 
 
 # ====================================================================== 1. carried ratio
@@ -146,13 +145,13 @@ def test_token_level_with_empty_mask_equals_dapo_loss(seed):
     ent = base + 0.1 + torch.rand(B, T)  # every entropy increased: mask empty
     M = _M(A, ent, base, mask)
     assert not M.any()
-    kl_logp = logp0 + torch.randn(B, T)
+    ref_logp = logp0 + torch.randn(B, T)
     N = float(mask.sum())
 
     a = logp0.clone().requires_grad_()
-    lt = _loss(a, old, A, mask, M, kl_logp, N, ratio_level="token", kl_coef=0.04)
+    lt = _loss(a, old, A, mask, M, ref_logp, N, ratio_level="token", kl_coef=0.04)
     lt.backward()
-    st = _stats(a, old, A, mask, M, kl_logp, ent, ratio_level="token")
+    st = _stats(a, old, A, mask, M, ref_logp, ent, ratio_level="token")
     b = logp0.clone().requires_grad_()
     ld = dapo.dapo_loss(b, old, A, mask, clip_low=0.2, clip_high=0.28, num_tokens=N)
     ld.backward()
@@ -266,8 +265,8 @@ def test_kl_gradient_only_on_masked_tokens():
     assert st["kl"] == pytest.approx(k3[mask.bool()].mean().item(), abs=1e-6)
 
 
-def test_no_kl_target_needed_when_kl_coef_is_zero():
-    # kl_coef = 0 and --kl-target ref: the script loads no reference model and passes None
+def test_no_reference_needed_when_kl_coef_is_zero():
+    # kl_coef = 0: the script loads no reference model and passes None
     old, diff, mask = _seq_example()
     A, M = torch.tensor([1.0, -0.5]), torch.ones(2, 3, dtype=torch.bool)
     with_none = _loss(old + diff, old, A, mask, M, None, 5.0, kl_coef=0.0)
@@ -285,7 +284,7 @@ def _hand_2x3():
     A = torch.tensor([2.0, 1.0])
     ent = torch.tensor([[1.0, 2.0, 0.5], [0.2, 0.9, 0.1]])
     base = torch.tensor([[1.5, 1.5, 1.5], [0.5, 0.5, 0.5]])
-    d = torch.tensor([[LN2, 1.0, -LN2], [LN3, 1.0, 1.0]])  # kl_logp - logp
+    d = torch.tensor([[LN2, 1.0, -LN2], [LN3, 1.0, 1.0]])  # ref_logp - logp
     return old, diff, mask, A, ent, base, d
 
 
@@ -295,9 +294,9 @@ def test_full_tepo_loss_hand_value_2x3():
     M = _M(A, ent, base, mask)
     # M = [[1, 0, 1], [1, 0, 0]]  (A > 0 on both rows; (1, 2) fell but is padding)
     assert M.float().tolist() == [[1, 0, 1], [1, 0, 0]]
-    kl_logp = (old + diff) + d
-    loss = _loss(logp, old, A, mask, M, kl_logp, 5.0, kl_coef=0.1)
-    st = _stats(logp, old, A, mask, M, kl_logp, ent)
+    ref_logp = (old + diff) + d
+    loss = _loss(logp, old, A, mask, M, ref_logp, 5.0, kl_coef=0.1)
+    st = _stats(logp, old, A, mask, M, ref_logp, ent)
     # row 0: log s = (0 + 0.1 + 0.2) / 3 = 0.1, s = e^0.1 in range: -2 e^0.1 on each of 3 tokens
     # row 1: log s = (0.4 + 0.2) / 2 = 0.3, s = e^0.3 = 1.35 > 1.28, A > 0: -1.28 on each of 2
     # k3 on M: d = ln 2 -> 2 - ln 2 - 1 = 1 - ln 2; d = -ln 2 -> 1/2 + ln 2 - 1 = ln 2 - 1/2;
@@ -349,7 +348,7 @@ def test_defaults_are_sequence_level_clip_3e_4_4e_4_and_kl_0_04():
 
 
 def test_where_the_kl_sits_by_hand():
-    from tools import diagnostics  # the studies' diagnostics, through the run's observe hook
+    from tools import diagnostics  # the studies' diagnostics, wrapped around the loss from outside
 
     # k3(ref, logp) with logp = 0 and ref = d: e^d - d - 1 per token; the padded one holds a huge d
     d = torch.tensor([[1.0, LN2, -LN2, LN3], [2.0, -1.0, 9.0, 9.0]])
@@ -365,8 +364,8 @@ def test_where_the_kl_sits_by_hand():
         torch.arange(2),
         torch.zeros(2, 4),
         torch.zeros(2, 4),
-        kl_logp=d,
-        M=M,
+        d,  # the reference's log-probs
+        M,
     )
     # row 0 is A > 0 (4 tokens), row 1 A < 0 (2 tokens); off the mask: (0,1), (0,3), (1,0), (1,1)
     assert st["kl_pos_adv"] == pytest.approx(k[0].mean().item(), abs=1e-6)
@@ -381,42 +380,6 @@ def test_where_the_kl_sits_by_hand():
     assert st["kl_token_max"] == pytest.approx(math.exp(2) - 3, abs=1e-5)
 
 
-def test_seq_mean_token_mean_aggregation_hand_value_2x3():
-    # --loss-agg seq-mean-token-mean on the hand example: the same per-token losses, each
-    # completion's mean over its own tokens, then the mean over the 2 completions
-    old, diff, mask, A, ent, base, d = _hand_2x3()
-    M = _M(A, ent, base, mask)
-    loss = _loss(
-        old + diff,
-        old,
-        A,
-        mask,
-        M,
-        old + diff + d,
-        5.0,
-        kl_coef=0.1,
-        loss_agg="seq-mean-token-mean",
-    )
-    # 3 tokens, KL on (0,0), (0,2)
-    row0 = (-6 * math.exp(0.1) + 0.1 * ((1 - LN2) + (LN2 - 0.5))) / 3
-    row1 = (-2.56 + 0.1 * (2 - LN3)) / 2  # 2 valid tokens, KL on (1,0)
-    assert loss.item() == pytest.approx((row0 + row1) / 2, abs=1e-6)
-    # num_seqs, the whole mini-batch's count, divides: a micro-batch of these 2 out of 4
-    half = _loss(
-        old + diff,
-        old,
-        A,
-        mask,
-        M,
-        old + diff + d,
-        5.0,
-        kl_coef=0.1,
-        loss_agg="seq-mean-token-mean",
-        num_seqs=4,
-    )
-    assert half.item() == pytest.approx((row0 + row1) / 4, abs=1e-6)
-
-
 def _random_batch(seed=0, B=8, T=7):
     torch.manual_seed(seed)
     logp0 = torch.randn(B, T)
@@ -428,30 +391,32 @@ def _random_batch(seed=0, B=8, T=7):
 
 
 @pytest.mark.parametrize("ratio_level", ["sequence", "token"])
-def test_token_mean_default_is_the_loss_before_the_flag_bit_for_bit(ratio_level):
-    # the loss as it was written before --loss-agg existed, inline: token_mean(pg + kl_coef * M k3)
-    logp, old, A, mask, M, kl_logp = _random_batch(1)
+def test_the_loss_is_the_token_mean_of_pg_and_masked_kl_bit_for_bit(ratio_level):
+    # the loss written out inline: token_mean(pg + kl_coef * M k3), the mini-batch's token count
+    # given or (by default) this mask's; token-mean is TEPO's only aggregation (--loss-agg, a
+    # study's rejected arm, was removed with --kl-target: issue 51)
+    logp, old, A, mask, M, ref_logp = _random_batch(1)
     N = float(mask.sum())
     s = torch.exp(tepo.carried_log_ratio(logp, old, mask, ratio_level))
     a = A[:, None]
     pg = -torch.min(s * a, torch.clamp(s, 1 - 3e-4, 1 + 4e-4) * a)
-    before = tepo.token_mean(pg + 0.04 * torch.where(M, tepo.k3_kl(kl_logp, logp), 0.0), mask, N)
-    for kw in ({}, {"loss_agg": "token-mean"}, {"loss_agg": "token-mean", "num_seqs": 3}):
-        now = tepo.tepo_loss(
-            logp, old, kl_logp, A, mask, M, ratio_level=ratio_level, **kw, num_tokens=N
-        )
+    before = tepo.token_mean(pg + 0.04 * torch.where(M, tepo.k3_kl(ref_logp, logp), 0.0), mask, N)
+    for n in (N, None):
+        now = tepo.tepo_loss(logp, old, ref_logp, A, mask, M, ratio_level=ratio_level, num_tokens=n)
         assert torch.equal(now, before)
-    # the default until PLAN-real.md says
-    assert tepo.resolve_args(tepo.Args()).loss_agg == "token-mean"
+    args = tepo.resolve_args(tepo.Args())
+    assert not hasattr(args, "loss_agg") and not hasattr(args, "kl_target")
+    assert not hasattr(tepo, "seq_mean_token_mean")
 
 
-def test_seq_mean_token_mean_with_token_ratios_is_grpo_exactly():
-    # per-token ratios, GRPO's symmetric clip and a KL mask over every valid token: TEPO with
-    # --loss-agg seq-mean-token-mean is grpo_loss on the same inputs, value and gradient
+def test_token_ratios_and_a_full_mask_are_grpo_on_equal_lengths():
+    # per-token ratios, GRPO's symmetric clip and a KL mask over every valid token: where every
+    # completion has as many tokens, token-mean is GRPO's seq-mean-token-mean, so the TEPO loss is
+    # grpo_loss on the same inputs, value and gradient
     import grpo
 
-    logp0, old, A, mask, _, ref = _random_batch(2)
-    M = mask.bool()
+    logp0, old, A, _, _, ref = _random_batch(2)
+    mask = torch.ones_like(logp0)
     a, b = logp0.clone().requires_grad_(), logp0.clone().requires_grad_()
     t = tepo.tepo_loss(
         a,
@@ -459,28 +424,23 @@ def test_seq_mean_token_mean_with_token_ratios_is_grpo_exactly():
         ref,
         A,
         mask,
-        M,
-        num_tokens=float(mask.sum()),
+        mask.bool(),
         clip_low=0.2,
         clip_high=0.2,
         kl_coef=0.04,
         ratio_level="token",
-        loss_agg="seq-mean-token-mean",
+        num_tokens=float(mask.sum()),
     )
     g = grpo.grpo_loss(b, old, ref, A, mask, 0.2, 0.2, 0.04)
     t.backward()
     g.backward()
-    assert t.item() == pytest.approx(g.item(), abs=1e-7)
+    assert t.item() == pytest.approx(g.item(), abs=1e-6)
     assert torch.allclose(a.grad, b.grad, atol=1e-8)
-    # and the aggregation itself is GRPO's function
-    l = torch.randn(8, 7)
-    assert torch.equal(tepo.seq_mean_token_mean(l, mask, 8), grpo.seq_mean_token_mean(l, mask, 8))
 
 
 # ====================================================================== 5. micro-batch invariance
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("ratio_level", ["sequence", "token"])
-def test_micro_batch_invariance_of_value_and_gradients(ratio_level, loss_agg):
+def test_micro_batch_invariance_of_value_and_gradients(ratio_level):
     torch.manual_seed(0)
     B, T = 8, 7
     logp0 = torch.randn(B, T)
@@ -489,13 +449,11 @@ def test_micro_batch_invariance_of_value_and_gradients(ratio_level, loss_agg):
     mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,))[:, None]).float()
     ent, base = torch.rand(B, T), torch.rand(B, T)  # about half the tokens of A > 0 rows masked
     M = _M(A, ent, base, mask)
-    kl_logp = logp0 + 0.5 * torch.randn(B, T)
+    ref_logp = logp0 + 0.5 * torch.randn(B, T)
     N = float(mask.sum())  # counted once for the whole mini-batch
 
     full = logp0.clone().requires_grad_()
-    loss_full = _loss(
-        full, old, A, mask, M, kl_logp, N, ratio_level=ratio_level, loss_agg=loss_agg, num_seqs=B
-    )
+    loss_full = _loss(full, old, A, mask, M, ref_logp, N, ratio_level=ratio_level)
     loss_full.backward()
     assert M.any()  # the KL term is exercised
     for k in (2, 3, B):
@@ -508,11 +466,9 @@ def test_micro_batch_invariance_of_value_and_gradients(ratio_level, loss_agg):
                 A[idx],
                 mask[idx],
                 M[idx],
-                kl_logp[idx],
+                ref_logp[idx],
                 N,
                 ratio_level=ratio_level,
-                loss_agg=loss_agg,
-                num_seqs=B,
             )
             l.backward()
             total += l.item()
@@ -628,8 +584,8 @@ def tiny(tiny_dir):
     args = tepo.resolve_args(tepo.Args(run_name="x", device="cpu", max_new_tokens=24))
     tok, _ = tepo.load_tokenizer(str(tiny_dir), False)
     model = tepo.load_model(str(tiny_dir), torch.device("cpu"), args, trainable=True)
-    prompts = [tasks.build_prompt(tok, p, "tiny") for p in PROBLEMS]
-    common.seed_everything(0)
+    prompts = [common.build_prompt(tok, p, "tiny") for p in PROBLEMS]
+    torch.manual_seed(0)
     batch = tepo.generate_rollouts(
         model, tok, prompts, 4, args, tepo.eos_token_ids(model, tok), torch.device("cpu")
     )
@@ -659,26 +615,35 @@ def _c_direct(tiny, temperature):
     return out
 
 
+def _sampling_pass(model, batch, args, chunk=1024):
+    """train()'s step 3, as it is written there: old log-probs, entropies and c of every token,
+    from the sampling policy's logits, a chunk of valid positions at a time."""
+    old_logp, old_entropy, c = (torch.zeros(batch["mask"].shape) for _ in range(3))
+    for where, logits, ids in tepo.sampled_logits(model, batch, args, chunk=chunk):
+        old_logp[where], old_entropy[where] = tepo.logp_and_entropy(logits, ids)
+        c[where] = tepo.entropy_change_c(logits, ids)
+    return old_logp, old_entropy, c
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_c_equals_c_from_full_logits(tiny, temperature):
     model, batch, _ = tiny
     m = batch["mask"].bool()
     expected = _c_direct(tiny, temperature)
     args = _args(temperature=temperature, bf16=False)
-    for mbs in (64, 5):  # micro-batch split of batch_logps: all at once, or 5 + 5 + 5 + 5 + 4
+    # the micro-batch split (all at once, or 5 + 5 + 5 + 5 + 4) and the output layer's chunk of
+    # valid positions (train(): 1024)
+    for mbs, chunk in ((64, 1024), (5, 1024), (64, 1), (5, 7)):
         args.micro_batch_size = mbs
-        _, _, c = tepo.batch_logps(model, batch, args, extra=tepo.entropy_change_c)
+        old_logp, old_entropy, c = _sampling_pass(model, batch, args, chunk)
         assert c.shape == m.shape
-        assert torch.allclose(c[m], expected[m], atol=1e-5), (mbs, (c - expected)[m].abs().max())
+        err = (c - expected)[m].abs().max()
+        assert torch.allclose(c[m], expected[m], atol=1e-5), (mbs, chunk, err)
         assert (c[~m] == 0).all()  # padding is 0, not garbage
-    rows = torch.arange(len(m))
-    with torch.no_grad():
-        for chunk in (1, 7):  # the output layer's chunk of valid positions (batch_logps: 1024)
-            _, _, c = tepo.token_logps_and_entropy(
-                model, batch, rows, args, extra=tepo.entropy_change_c, chunk=chunk
-            )
-            err = (c - expected)[m].abs().max()
-            assert torch.allclose(c[m], expected[m], atol=1e-5), (chunk, err)
+        # the same pass gives batch_logps' log-probs and entropies (bit for bit at its chunk)
+        logp, entropy = tepo.batch_logps(model, batch, args)
+        same = torch.equal if chunk == 1024 else lambda a, b: torch.allclose(a, b, atol=1e-5)
+        assert same(old_logp, logp) and same(old_entropy, entropy), (mbs, chunk)
     assert (expected[m] > 0).any() and (expected[m] < 0).any()
     if temperature != 1.0:  # the temperature really reaches c
         assert not torch.allclose(expected[m], _c_direct(tiny, 1.0)[m], atol=1e-3)
@@ -692,7 +657,7 @@ def _recompute_like_training(model, batch, args, seed=1):
     g = torch.Generator().manual_seed(seed)
     for mini in torch.randperm(len(ent), generator=g).chunk(2):
         for mb in mini.split(5):
-            lp, e, _ = tepo.token_logps_and_entropy(model, batch, mb, args, with_entropy=True)
+            lp, e = tepo.token_logps(model, batch, mb, args, with_entropy=True)
             ent[mb], logp[mb] = e.detach(), lp.detach()
     model.eval()
     return ent, logp
@@ -706,7 +671,7 @@ def test_observed_mask_is_empty_without_an_update(tiny, bf16):
     m = batch["mask"].bool()
     args = _args(bf16=bf16)
     assert args.micro_batch_size >= len(m)  # the old pass takes the batch in one micro-batch
-    old_logp, old_ent, _ = tepo.batch_logps(model, batch, args, extra=tepo.entropy_change_c)
+    old_logp, old_ent, _ = _sampling_pass(model, batch, args)
     ent, logp = _recompute_like_training(model, batch, args)
     A = torch.ones(len(m))  # the worst case: every row may be masked
     tol = args.entropy_tol

@@ -8,8 +8,8 @@ What it makes (an ordinary Hugging Face folder, loadable offline with
   token, plus Qwen's special tokens `<|endoftext|>` (also the pad token, as in Qwen base models),
   `<|im_start|>` and `<|im_end|>`, and a Qwen-style chat template;
 - a small Qwen2 model (~0.8M parameters), randomly initialised, then warmed up by
-  supervised training on the tiny task's *train* split (tasks.tiny_task) until its sampled
-  accuracy (temperature 1) on held-out problems first reaches TARGET_ACC. It is stopped
+  supervised training on the tiny task's *train* split (tools/make_data.py's tiny_task) until
+  its sampled accuracy (temperature 1) on held-out problems first reaches TARGET_ACC. It is stopped
   early on purpose, and its warm-up data is noisy on purpose: each intermediate result is
   off by 1 or 2 with probability NOISE (the final line then follows the wrong value). So the
   model learns a spread-out answer distribution whose mode is usually right; sampled at
@@ -34,7 +34,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-import tasks  # noqa: E402
+from tools.make_data import tiny_task  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 SEED = 0
@@ -111,7 +111,7 @@ def encode_batch(tokenizer, examples, im_end, rng=None):
     """Prompt through the chat template, then the solution and <|im_end|>; loss on the latter."""
     rows, labels = [], []
     for ex in examples:
-        p = tokenizer(tasks.build_prompt(tokenizer, ex["problem"], "tiny"))["input_ids"]
+        p = tokenizer(common.build_prompt(tokenizer, ex["problem"], "tiny"))["input_ids"]
         c = tokenizer(noisy_solution(ex, rng) if rng else ex["solution"])["input_ids"] + [im_end]
         rows.append(p + c)
         labels.append([-100] * len(p) + c)
@@ -131,7 +131,7 @@ def sampled_accuracy(model, tokenizer, problems, eos_ids, temperature=1.0):
     for i in range(0, len(problems), 128):
         chunk = problems[i : i + 128]
         enc = tokenizer(
-            [tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in chunk],
+            [common.build_prompt(tokenizer, p["problem"], "tiny") for p in chunk],
             return_tensors="pt",
             padding=True,
         )
@@ -148,13 +148,14 @@ def sampled_accuracy(model, tokenizer, problems, eos_ids, temperature=1.0):
         texts = tokenizer.batch_decode(
             out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
         )
-        correct += sum(tasks.grade(t, p["answer"]).correct for t, p in zip(texts, chunk))
+        correct += sum(common.grade(t, p["answer"]).correct for t, p in zip(texts, chunk))
     model.train()
     return correct / len(problems)
 
 
 def main():
-    common.seed_everything(SEED)
+    random.seed(SEED)
+    torch.manual_seed(SEED)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -162,8 +163,8 @@ def main():
     eos_ids = [im_end, tokenizer.eos_token_id]
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
 
-    train = tasks.tiny_task("train", seed=SEED)
-    heldout = tasks.tiny_task("test", EVAL_N, seed=SEED + 1)  # not the seed eval uses
+    train = tiny_task("train", seed=SEED)
+    heldout = tiny_task("test", EVAL_N, seed=SEED + 1)  # not the order of data/tiny/test.jsonl
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     rng = random.Random(SEED)
     step, acc = 0, 0.0
@@ -197,7 +198,7 @@ def main():
     model.save_pretrained(OUT, safe_serialization=True)
     tokenizer.save_pretrained(OUT)
     reloaded = AutoTokenizer.from_pretrained(OUT)
-    probe = tasks.build_prompt(tokenizer, "7-2+9", "tiny") + "7-2=5\n5+9=14\n\\boxed{14}<|im_end|>"
+    probe = common.build_prompt(tokenizer, "7-2+9", "tiny") + "7-2=5\n5+9=14\n\\boxed{14}<|im_end|>"
     assert reloaded(probe)["input_ids"] == tokenizer(probe)["input_ids"], (
         "saved tokenizer reloads differently"
     )

@@ -10,19 +10,23 @@
 A step here is one step of each script's own train(), on its tiny preset (the bundled
 ~0.8M-parameter model, 16 prompts x 8 completions, 40 new tokens, 2 optimizer steps per batch,
 the script's reference model if it uses one, CPU, fp32), with no held-out evaluation. Nothing
-here copies a training loop: the benchmark runs train() itself (harness.STEP_HOOKS hands it
-each step's metrics) and reads the seconds that every script logs for each phase of its step:
+here copies a training loop: the benchmark runs train() itself, with the script's functions
+wrapped from outside for the run (PhaseTimer), so that the return of each ends a phase of the
+step (a lap: the time since the previous lap is the phase's), logged as time/<phase>:
 
-    time/generate   sample the completions (generate_rollouts; DAPO: every dynamic-sampling round)
-    time/reward     grade them (reward_fn) and the group advantage
-    time/old_logp   log-probs and entropies under the policy that sampled (batch_logps)
-    time/ref_logp   log-probs under the frozen reference model (scripts that load one)
-    time/advantage  ERPO's token advantages; SAPO's segments and critic values
-    time/update     the optimizer steps: forward, loss, backward, AdamW (SAPO: the critic's too)
+    generate   sample the completions (generate_rollouts; DAPO: every dynamic-sampling round)
+    reward     grade them (reward_fn) and the group advantage (group_advantages)
+    old_logp   log-probs and entropies under the policy that sampled (batch_logps; TEPO: its
+               own pass over sampled_logits, with c)
+    ref_logp   log-probs under the frozen reference model (reference_logps; scripts with one)
+    advantage  ERPO's token advantages (token_advantages); SAPO's segments and critic values
+               (segment_batch)
+    update     the optimizer steps: forward, loss, backward, AdamW (common.optimizer_step; SAPO:
+               the critic's too, critic_step)
 
-"step" is time/step, the wall time of the whole step up to its metrics (samples, logging and
-checkpoints come after it). tokens/s is the script's tokens_per_s: the completion tokens it
-trained on, up to each EOS, per second of the step (DAPO: the kept groups only).
+"step" is the wall time of the whole step up to its metrics (samples, logging and checkpoints
+come after it). tokens/s is the completion tokens the step trained on (the script's `tokens`),
+up to each EOS, per second of the step (DAPO: the kept groups only).
 
 Then the first script's steps run under torch.profiler (--profile-steps), split by kind of op:
 matrix multiplies (with their GFLOP and GFLOP/s, next to this machine's 2048^3 matrix multiply
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import importlib
+import inspect
 import io
 import math
 import os
@@ -70,12 +75,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
+from tools.diagnostics import patched  # noqa: E402
 from tools.study import script_available  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
+# The script's functions whose return ends a phase, by name (a script lacks some); a call made
+# inside another timed call (batch_logps in reference_logps) is part of that one
+LAPS = {
+    "generate_rollouts": "generate",
+    "reward_fn": "reward",
+    "group_advantages": "reward",
+    "batch_logps": "old_logp",
+    "sampled_logits": "old_logp",  # TEPO's own pass: ends when train() has read its last logits
+    "reference_logps": "ref_logp",
+    "token_advantages": "advantage",  # ERPO
+    "segment_batch": "advantage",  # SAPO
+    "critic_step": "update",  # SAPO: after the policy's optimizer step
+}
 
 
 # =====================================================================================
@@ -219,7 +237,7 @@ def machine_line(m: dict) -> str:
 
 
 # =====================================================================================
-# Timing: each script's own train(), read back from the time/<phase> metrics it logs
+# Timing: each script's own train(), its functions wrapped from outside to time its phases
 # =====================================================================================
 class Clock:
     """Adds the wall time of each `with clock("phase"):` block to clock.times["phase"] (for TRL's
@@ -242,22 +260,98 @@ class Clock:
             self.times[phase] += self.now() - t0
 
 
+class PhaseTimer:
+    """Within `with PhaseTimer(mod, device, on_step):`, each step of mod's train() adds the
+    seconds of its phases, time/<phase>, to its metrics, and calls on_step(run, step, metrics)
+    with them and time/step before its end_step. The functions in LAPS and common.optimizer_step
+    are wrapped, and Run.steps and Run.end_step, then restored; nothing they compute changes.
+    Only calls from the thread that entered are timed (TRL's calls of grpo.reward_fn are not
+    grpo.py's)."""
+
+    def __init__(self, mod, device: torch.device, on_step=None):
+        self.clock, self.on_step, self.depth, self.mark = Clock(device), on_step, 0, 0.0
+        self.patches = patched(
+            *((mod, name, self.timed(phase)) for name, phase in LAPS.items()),
+            (common, "optimizer_step", self.timed("update")),
+            (common.Run, "steps", self.steps),
+            (common.Run, "end_step", self.end_step),
+        )
+
+    def __enter__(self):
+        self.thread = threading.get_ident()
+        self.patches.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.patches.__exit__(*exc)
+
+    def lap(self, phase: str) -> None:
+        now = self.clock.now()
+        self.clock.times[phase] += now - self.mark
+        self.mark = now
+
+    def timed(self, phase: str):
+        def wrap(f):
+            if inspect.isgeneratorfunction(f):  # its lap: when the caller has read it all
+
+                def generator(*a, **k):
+                    yield from f(*a, **k)
+                    if self.depth == 0 and threading.get_ident() == self.thread:
+                        self.lap(phase)
+
+                return generator
+
+            def call(*a, **k):
+                if threading.get_ident() != self.thread:
+                    return f(*a, **k)
+                self.depth += 1
+                try:
+                    out = f(*a, **k)
+                finally:
+                    self.depth -= 1
+                if self.depth == 0:
+                    self.lap(phase)
+                return out
+
+            return call
+
+        return wrap
+
+    def steps(self, f):
+        def steps(run, start):
+            for step in f(run, start):
+                self.mark = self.clock.now()  # the step starts: the first lap's start
+                yield step
+
+        return steps
+
+    def end_step(self, f):
+        def end_step(run, step, metrics):
+            metrics = {**metrics, **{f"time/{p}": s for p, s in self.clock.times.items()}}
+            self.clock.times.clear()
+            if self.on_step is not None:
+                self.on_step(run, step, {**metrics, "time/step": self.clock.now() - run.step_start})
+            return f(run, step, metrics)
+
+        return end_step
+
+
 def step_row(metrics: dict) -> dict:
-    """One step as the benchmark reports it, from the metrics the script's train() logged: the
+    """One step as the benchmark reports it, from the step's metrics with PhaseTimer's times: the
     seconds of each phase (0 where the script has no such phase) and of the step, and its work.
 
-    >>> m = {"time/generate": 0.5, "time/update": 1.0, "time/step": 1.6, "tokens_per_s": 250.0,
+    >>> m = {"time/generate": 0.5, "time/update": 1.0, "time/step": 1.6, "tokens": 400,
     ...      "completions": 16, "completion_len_max": 30, "optimizer_steps": 2.0}
     >>> r = step_row(m)
-    >>> r["generate"], r["advantage"], r["step"], r["tokens"], r["decode_steps"], r["rounds"]
-    (0.5, 0.0, 1.6, 400, 30, 1)
+    >>> r["generate"], r["advantage"], r["step"], r["tokens_per_s"], r["decode_steps"], r["rounds"]
+    (0.5, 0.0, 1.6, 250.0, 30, 1)
     """
     return {
         **{p: metrics.get(f"time/{p}", 0.0) for p in PHASES},
         "step": metrics["time/step"],
-        "tokens_per_s": metrics["tokens_per_s"],
+        "tokens_per_s": metrics["tokens"] / metrics["time/step"],
         "completions": metrics["completions"],
-        "tokens": round(metrics["tokens_per_s"] * metrics["time/step"]),  # = tokens / step
+        "tokens": metrics["tokens"],
         "decode_steps": metrics["completion_len_max"],
         "optimizer_steps": int(metrics.get("optimizer_steps", 0)),
         "rounds": metrics.get("gen_rounds", 1),
@@ -295,7 +389,7 @@ def run_script(
     """Runs <name>.py's own train() for warmup + steps steps in a temporary folder, its output
     held back (shown only if it fails); one line printed per step. Returns the run's resolved
     Args and the timed steps' rows. on_step(step, row) runs after each step (interleaving, the
-    profiler) through harness.STEP_HOOKS."""
+    profiler), before its end_step logs and saves it (PhaseTimer)."""
     out, rows, resolved = sys.stdout, [], {}
 
     def hook(run, step, metrics):
@@ -315,15 +409,13 @@ def run_script(
     held = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp:
         mod, a = bench_args(name, args, tmp, warmup + steps, **overrides)
-        harness.STEP_HOOKS.append(hook)
         try:
-            with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
-                mod.train(a)
+            with PhaseTimer(mod, common.resolve_device(args.device), hook):
+                with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+                    mod.train(a)
         except BaseException:
             print(held.getvalue()[-3000:], file=out)
             raise
-        finally:
-            harness.STEP_HOOKS.remove(hook)
     return resolved["args"], rows
 
 
@@ -458,7 +550,7 @@ def matmul_peak(device: torch.device, n: int = 2048, reps: int = 10) -> float:
 
 def profile_script(name: str, args: Args, steps: int) -> str:
     """<name>.py's train(): one untimed step, then `steps` under torch.profiler (started and
-    stopped by the step hook); a markdown table by kind of op."""
+    stopped by run_script's on_step); a markdown table by kind of op."""
     from torch.profiler import ProfilerActivity, profile
 
     device = common.resolve_device(args.device)
@@ -651,7 +743,7 @@ class TRLTimer:
 def compare_with_trl(args: Args, steps: int) -> dict:
     """grpo.py and TRL's GRPOTrainer on the same work, one rollout batch each in turn. Both run
     their own training loops, in two threads of this process that hand a baton back and forth:
-    grpo.py's train() in one (a step hook passes the baton after each of its steps), TRL's
+    grpo.py's train() in one (run_script's on_step passes the baton after each of its steps), TRL's
     trainer.train() in the other (a callback passes it after each rollout batch, i.e. every
     --num-mini-batches x --ppo-epochs optimizer steps). Only one of them runs at any moment."""
     from datasets import Dataset
@@ -1175,9 +1267,9 @@ def estimate_report() -> str:
         "",
         "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
         "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
-        "step towards the memory-bound time in brackets. A real run logs `time/generate`, "
-        "`time/update`, `time/step` and `tokens_per_s` in metrics.jsonl: check these numbers "
-        "there.",
+        "step towards the memory-bound time in brackets. A real run logs `time/step` and "
+        "`tokens_per_s` in metrics.jsonl (tools/gpu_check.py times its phases): check these "
+        "numbers there.",
     ]
     return "\n".join(lines + ["", memory_report(presets)])
 
@@ -1230,7 +1322,7 @@ def step_seconds(cmd: list[str], threads: int, wait: str, busy: bool) -> list[fl
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-3:])
             raise UserError(f"{' '.join(cmd[1:3])} failed (exit {done.returncode}): {tail}")
-        rows = harness.read_metrics(Path(tmp) / "t")
+        rows = common.read_metrics(Path(tmp) / "t")
     return [r["time/step"] for r in rows if "time/step" in r][1:]
 
 
@@ -1372,7 +1464,7 @@ def run(args: Args) -> dict:
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
-    with harness.user_errors():
+    with common.user_errors():
         return run(args)
 
 

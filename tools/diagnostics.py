@@ -4,10 +4,11 @@
     python tools/diagnostics.py tepo.py --resume runs/<run>     # continue one, still diagnosed
 
 Every flag after the script's name is the script's own. tools/study.py starts (and resumes) each
-of its runs this way. The figures below come from the run's own tensors, handed over by
-`run.observe(...)` in the scripts' train() (harness.OBSERVERS; a plain `python tepo.py` calls no
-observer and logs none of them): nothing here changes what is learned, and every algorithmic
-piece is the script's own function.
+of its runs this way. The figures below come from the run's own tensors: for the run, the
+script's functions are wrapped from outside (diagnosed: what reward_fn, the advantage function,
+token_logps and the loss are given or return is read, and common.Run.end_step adds the figures
+to the step's metrics), and restored after. A plain `python tepo.py` logs none of them; nothing
+here changes what is learned, and every algorithmic piece is the script's own function.
 
 Per rollout batch ("rollout"):
     right_cut_off_frac          share of the right answers that were cut off at the length cap
@@ -21,7 +22,7 @@ own statistics are (the first mini-batch of a rollout batch is on-policy: its ra
 never clips, so with 2 mini-batches the second's clip rates are twice these):
     clip_frac_pos_adv, clip_frac_neg_adv   share of the tokens with A > 0 (A < 0) clipped
     clip_frac_cut, clip_frac_ended         the same over the tokens of cut-off (ended) completions
-    kl_pos_adv, kl_neg_adv      mean KL to the KL target on tokens of completions with A > 0 / A < 0
+    kl_pos_adv, kl_neg_adv      mean KL to the reference on tokens of completions with A > 0 / A < 0
     kl_off_mask                 (TEPO) mean KL on valid tokens off its KL mask
     kl_first_quarter, kl_last_quarter   mean KL in the first / last quarter of each completion
     kl_token_max                the largest KL of any token
@@ -29,16 +30,26 @@ never clips, so with 2 mini-batches the second's clip rates are twice these):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import harness  # noqa: E402
+import common  # noqa: E402
+
+# The function that returns a rollout batch's advantages, by name, and how to read its result
+ADVANTAGES = {
+    "group_advantages": lambda out: out,  # A_i [B] (ERPO's and SAPO's own come later in a step)
+    "token_advantages": lambda out: out[0],  # ERPO: (A_it [B, T], psi)
+    "segment_batch": lambda out: out["advantages"],  # SAPO: A_m(t) on every token [B, T]
+}
+LOSSES = ("grpo_loss", "dapo_loss", "tepo_loss", "erpo_loss")  # SAPO's segment clip: no figures
 
 
 def clipped_ratio(run, logp, old_logp, mask) -> torch.Tensor:
@@ -105,14 +116,94 @@ def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=Non
     return out
 
 
-def observe(run, where: str, tensors: dict) -> dict | None:
-    """The harness.OBSERVERS hook: keeps each rollout batch for the updates that follow it."""
-    if where == "rollout":
-        run.diagnostics_context = tensors
-        return rollout_figures(**tensors)
-    if where == "update" and getattr(run, "diagnostics_context", None) is not None:
-        return update_figures(run, run.diagnostics_context, **tensors)
-    return None
+@contextlib.contextmanager
+def patched(*changes):
+    """Within it, owner.name is wrap(owner.name) for each (owner, name, wrap) whose owner has that
+    name; the originals are put back after, whatever happens."""
+    saved = []
+    try:
+        for owner, name, wrap in changes:
+            if hasattr(owner, name):
+                saved.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, wrap(getattr(owner, name)))
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def diagnosed(script):
+    """Within it, `script`'s train() logs the figures: its functions and common.Run.end_step
+    wrapped to read the tensors they are given or return (none is changed)."""
+    seen, figures = {}, []
+
+    def reward_fn(f):
+        def wrapper(*a, **k):
+            out = f(*a, **k)
+            seen["correct"] = out[1]  # (rewards, correct, parsed)
+            return out
+
+        return wrapper
+
+    def advantages(read):
+        def wrap(f):
+            def wrapper(*a, **k):
+                out = f(*a, **k)
+                seen["advantages"], seen["new"] = read(out), True
+                return out
+
+            return wrapper
+
+        return wrap
+
+    def token_logps(f):
+        def wrapper(model, batch, rows, args, *a, **k):
+            if seen.pop("new", False):  # the rollout batch's first update: the batch trained on
+                seen["advantages"] = seen["advantages"].to(batch["mask"].device)
+                correct = batch.get("correct", seen.get("correct"))  # DAPO: the kept groups'
+                with torch.no_grad():
+                    figures.append(rollout_figures(batch, correct, seen["advantages"]))
+            seen.update(batch=batch, rows=rows, run=SimpleNamespace(algo=script.ALGO, args=args))
+            return f(model, batch, rows, args, *a, **k)
+
+        return wrapper
+
+    def loss(f):
+        def wrapper(**terms):
+            out = f(**terms)
+            context = {"batch": seen["batch"], "advantages": seen["advantages"]}
+            with torch.no_grad():
+                figures.append(
+                    update_figures(
+                        seen["run"],
+                        context,
+                        seen["rows"],
+                        terms["logp"],
+                        terms["old_logp"],
+                        terms.get("ref_logp"),
+                        terms.get("M"),
+                    )
+                )
+            return out
+
+        return wrapper
+
+    def end_step(f):
+        def wrapper(run, step, metrics):
+            if figures:  # averaged over the step, as the scripts' own statistics
+                metrics = {**metrics, **common.reduce_stats(figures)}
+                figures.clear()
+            return f(run, step, metrics)
+
+        return wrapper
+
+    return patched(
+        (script, "reward_fn", reward_fn),
+        *((script, name, advantages(read)) for name, read in ADVANTAGES.items()),
+        (script, "token_logps", token_logps),
+        *((script, name, loss) for name in LOSSES),
+        (common.Run, "end_step", end_step),
+    )
 
 
 def main(argv=None):
@@ -125,11 +216,8 @@ def main(argv=None):
         print(f"error: no training script {argv[0]!r} in {ROOT}", file=sys.stderr)
         raise SystemExit(2)
     script = importlib.import_module(name)
-    harness.OBSERVERS.append(observe)
-    try:
+    with diagnosed(script):
         return script.main(argv[1:])
-    finally:
-        harness.OBSERVERS.remove(observe)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,15 @@ an adapter checkpoint directly; the merged folder is for tools that know no PEFT
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import UserError, first_line  # noqa: E402
-from harness import user_errors  # noqa: E402
+from common import UserError, first_line, user_errors  # noqa: E402
 
 
 def export_merged(checkpoint: str, out: str) -> Path:
@@ -50,10 +51,18 @@ def export_merged(checkpoint: str, out: str) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
     except Exception as e:  # the base moved, a truncated file, a hub error
         raise UserError(f"cannot load {ckpt} and its base {base!r}: {first_line(e)}") from None
+    # written beside, then renamed into place: a kill or a full disk never leaves a half-written
+    # model folder that eval.py or from_pretrained would then load
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        merged.save_pretrained(out_dir, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        os.replace(tmp, out_dir)
     except Exception as e:  # a full disk, a read-only folder
+        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"cannot write {out_dir}: {first_line(e)}") from None
     return out_dir
 

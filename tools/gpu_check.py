@@ -9,8 +9,9 @@ It prints, in order:
    policy before any update (a second copy, and LoRA's adapters-off view): KL exactly 0;
 2. a model with Qwen2.5-Math-1.5B's shapes (random weights, the tiny tokenizer) through grpo.py's
    own train() with the real preset's micro-batch of 4 and every completion forced to 3,000
-   tokens: seconds per phase and peak GPU memory, against memory_estimate's figure (tools/bench.py)
-   for the same sizes, full fine-tuning and LoRA;
+   tokens: seconds per phase (timed from outside by tools/bench.py's PhaseTimer) and peak GPU
+   memory, against memory_estimate's figure (tools/bench.py) for the same sizes, full
+   fine-tuning and LoRA;
 3. generate() tokens/s on that model: the default dynamic cache, and a static cache with
    compiled decoding;
 4. eval.py on the tiny model.
@@ -35,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
@@ -99,6 +99,9 @@ def reset_peak(device: torch.device) -> None:
 def scripts_on_tiny(a: Args, out: Path) -> None:
     import importlib
 
+    from tools.bench import PhaseTimer
+
+    device = common.resolve_device(a.device)
     say("## 1. Every script, tiny model, bf16 autocast, 2 steps\n")
     say(
         "| script | step 1 s | step 2 s | time/generate | time/update | kl or value loss | finite |"
@@ -106,7 +109,7 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
     say("|---|---|---|---|---|---|---|")
     for name in SCRIPTS:
         mod = importlib.import_module(name)
-        with quiet():
+        with quiet(), PhaseTimer(mod, device):  # time/<phase> in its metrics.jsonl
             mod.main(
                 [
                     "--device",
@@ -131,14 +134,15 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
                     name,
                 ]
             )
-        rows = [r for r in harness.read_metrics(out / name) if "time/step" in r]
+        rows = [r for r in common.read_metrics(out / name) if "time/step" in r]
         kl = rows[-1].get("kl", rows[-1].get("value_loss"))  # DAPO has neither: "-"
         finite = all(
             v is not None for r in rows for k, v in r.items() if k in ("loss", "kl", "value_loss")
         )
         say(
             f"| {name} | {fmt(rows[0]['time/step'])} | {fmt(rows[1]['time/step'])} | "
-            f"{fmt(rows[1]['time/generate'])} | {fmt(rows[1]['time/update'])} | {fmt(kl, '.3g')} | "
+            f"{fmt(rows[1].get('time/generate'))} | {fmt(rows[1].get('time/update'))} | "
+            f"{fmt(kl, '.3g')} | "
             f"{'yes' if finite else 'NO'} |"
         )
     import grpo
@@ -151,20 +155,16 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
         args = grpo.resolve_args(
             grpo.Args(device=a.device, bf16=True, lora_rank=lora, run_name="check")
         )
-        device = common.resolve_device(a.device)
         policy = grpo.load_model("tiny", device, args, trainable=True)
-        ref = grpo.load_reference(policy, device, args)
+        ref = grpo.load_reference(device, args)  # None under LoRA: the adapters switched off
         tokenizer, _ = grpo.load_tokenizer("tiny", False)
-        import tasks
-
-        prompts = [
-            tasks.build_prompt(tokenizer, p["problem"], "tiny") for p in tasks.tiny_task("test", 16)
-        ]
+        problems = common.load_problems("tiny", "test", limit=16)
+        prompts = [common.build_prompt(tokenizer, p["problem"], "tiny") for p in problems]
         batch = grpo.generate_rollouts(
             policy, tokenizer, prompts, 4, args, grpo.eos_token_ids(policy, tokenizer), device
         )
-        logp = grpo.batch_logps(policy, batch, args)[0]
-        ref_logp = grpo.batch_logps(ref, batch, args)[0]
+        logp = grpo.batch_logps(policy, batch, args).logp
+        ref_logp = grpo.reference_logps(policy, ref, batch, args).logp
         m = batch["mask"].bool()
         kl = torch.where(m, grpo.k3_kl(ref_logp, logp), 0.0).sum().item()
         kind = f"LoRA r={lora}: adapters off" if lora else "full: a second copy"
@@ -231,7 +231,7 @@ def qwen_shaped_model(folder: Path, small: bool) -> dict:
 
 def real_shapes(a: Args, out: Path) -> Path:
     import grpo
-    from tools.bench import forced_length, memory_estimate
+    from tools.bench import PhaseTimer, forced_length, memory_estimate
 
     T = 32 if a.small else 3000
     say(
@@ -245,12 +245,10 @@ def real_shapes(a: Args, out: Path) -> Path:
         f"random model: {shape['params'] / 1e9:.2f} B parameters, saved in {time.time() - t0:.0f} s"
     )
     data = out / "problems.jsonl"
-    import tasks
-
     data.write_text(
         "".join(
             json.dumps({"problem": p["problem"], "answer": p["answer"]}) + "\n"
-            for p in tasks.tiny_task("train", 64)
+            for p in common.load_problems("tiny", "train", limit=64)
         )
     )
     device = common.resolve_device(a.device)
@@ -298,9 +296,9 @@ def real_shapes(a: Args, out: Path) -> Path:
             "--run-name",
             f"shapes-{name}",
         ]
-        with quiet(), forced_length(grpo):
+        with quiet(), forced_length(grpo), PhaseTimer(grpo, device):
             grpo.main(argv)
-        r = [m for m in harness.read_metrics(out / f"shapes-{name}") if "time/step" in m][-1]
+        r = [m for m in common.read_metrics(out / f"shapes-{name}") if "time/step" in m][-1]
         est = (
             memory_estimate(
                 ref=True,
@@ -424,7 +422,7 @@ def check(a: Args) -> None:
 
 def main(argv=None) -> int:
     a = common.parse_args(Args, argv)
-    with harness.user_errors():  # a UserError: one line, exit 2
+    with common.user_errors():  # a UserError: one line, exit 2
         check(a)
     return 0
 

@@ -86,7 +86,9 @@ Not in the default list, only by --configs (PLAN.md's candidate (a), its flags s
 that it runs the same whatever tepo.py's default is; (b), GSPO's clip, is tepo.py's default,
 `tepo`):
     tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28 (first reading)
-    tepo-seq-mean, grpo-no-kl  docs/study/PLAN-real.md: GRPO's aggregation; GRPO without its KL
+    tepo-seq-mean, grpo-no-kl  docs/study/PLAN-real.md: GRPO's aggregation (retired: tepo.py no
+                               longer has --loss-agg; its runs are read, not started); GRPO
+                               without its KL
     tepo-len, grpo-len,        docs/study/PLAN-length.md: each script with dapo.py's length term
     erpo-len, sapo-len         in its reward (--overlong-cache 16)
 On a real model the cpu preset has the length term on since PLAN-length's adoption: the real-model
@@ -118,7 +120,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 
@@ -180,7 +181,7 @@ CONFIGS = {
     "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
     "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
     "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
-    "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: GRPO's
+    "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: retired
     "grpo-no-kl": ("grpo", ["--kl-coef", "0"]),  # PLAN-real.md: GRPO without its KL term
     # PLAN-length.md: each script with dapo.py's length term (cpu value), seeds 1-3
     "tepo-len": ("tepo", ["--overlong-cache", "16"]),
@@ -194,6 +195,11 @@ DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by
 # tepo.py's default, GSPO's clip 3e-4 / 4e-4 (PLAN.md's (b)), which is `tepo`. (The second
 # study's development data also has a `tepo`: tepo.py's default then, (a), today `tepo-seq-ppo`.)
 OLD_NAMES = {"tepo-seq-gspo": "tepo"}
+# Configs whose flags the scripts no longer have: their finished runs are still read, none starts.
+RETIRED = {
+    "tepo-seq-mean": "runs tepo.py's --loss-agg, which docs/study/PLAN-real.md's study rejected "
+    "and tepo.py no longer has (it is at commit 872b399: run it there)",
+}
 # every run goes through it: the studies' diagnostics
 DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
@@ -268,7 +274,7 @@ def plan_run(run_dir: Path, steps: int | None) -> str:
         return "resume" if steps is not None and done < steps else "skip"
     if (run_dir / "latest").is_file() or any(run_dir.glob("checkpoint-*/trainer_state.pt")):
         return "resume"
-    return "restart" if run_dir.is_dir() and harness.started(run_dir) else "fresh"
+    return "restart" if run_dir.is_dir() and common.started(run_dir) else "fresh"
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -280,7 +286,7 @@ def move_aside(run_dir: Path) -> Path:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    return int(harness.find_checkpoint(run_dir).name.split("-")[-1])
+    return int(common.find_checkpoint(run_dir).name.split("-")[-1])
 
 
 def read_resumes(path: Path) -> set[int]:
@@ -300,8 +306,8 @@ class Job:
 def resolve_runs(runs: str) -> list[tuple[str, int]]:
     """--runs "a:1,b:2" -> [("a", 1), ("b", 2)], each config known and each seed an integer.
 
-    >>> resolve_runs("tepo-seq-mean:1, dapo:2")
-    [('tepo-seq-mean', 1), ('dapo', 2)]
+    >>> resolve_runs("tepo-no-kl:1, dapo:2")
+    [('tepo-no-kl', 1), ('dapo', 2)]
     """
     pairs = []
     for item in (x.strip() for x in runs.split(",") if x.strip()):
@@ -338,6 +344,8 @@ def make_jobs(
         action = plan_run(run_dir, args.steps)
         if action == "skip":
             continue
+        if config in RETIRED:
+            raise UserError(f"{name}: config {config!r} {RETIRED[config]}")
         if action == "resume":
             with open(resumes, "a") as f:
                 f.write(f"{checkpoint_step(run_dir)}\n")
@@ -534,7 +542,7 @@ def load_runs(out: Path, configs: list[str], seeds: list[int]):
                 if run_dir.is_dir():
                     unfinished.append(name)
                 continue
-            rows = harness.read_metrics(run_dir)
+            rows = common.read_metrics(run_dir)
             secs = elapsed_seconds(rows, read_resumes(out / "logs" / f"{name}.resumes"))
             runs[config, seed] = [{**r, "seconds": s} for r, s in zip(rows, secs)]
     return runs, unfinished
@@ -1471,7 +1479,7 @@ def study(args: Args) -> int:
 
 def main(argv=None) -> int:
     args = common.parse_args(Args, argv)
-    with harness.user_errors():
+    with common.user_errors():
         return study(args)
 
 

@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-import harness  # noqa: E402
 from common import UserError, arg  # noqa: E402
 from tools.study import OLD_NAMES, save_small  # noqa: E402
 
@@ -155,7 +154,7 @@ def read_runs(out: Path) -> tuple[dict, dict, list[str]]:
         if not (d / "summary.json").is_file():
             unfinished.append(d.name)
             continue
-        rows = harness.read_metrics(d)
+        rows = common.read_metrics(d)
         evals[config, int(seed)] = evals_of(rows)
         steps[config, int(seed)] = [r for r in rows if r["step"] > 0]
     return evals, steps, unfinished
@@ -663,7 +662,7 @@ def plot(docs: Path, evals: dict, steps: dict) -> bool:
 
 def main(argv=None) -> int:
     a = common.parse_args(Args, argv)
-    with harness.user_errors():
+    with common.user_errors():
         docs, out = Path(a.docs), Path(a.out)
         recorded = docs / "recorded.csv"
         if not recorded.is_file():
