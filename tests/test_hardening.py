@@ -488,18 +488,29 @@ def test_a_silent_run_warns_with_the_likely_cause(tmp_path, monkeypatch, capsys)
 
 
 def test_grades_that_run_out_of_time_are_counted_in_each_step(tmp_path, monkeypatch, capsys):
-    """Every 8th grade gets a completion math-verify parses for seconds, under a 1 s bound: the
-    step's metrics count the training grades, eval/grader_timeouts the held-out ones, once each."""
+    """Every 8th grade gets a completion math-verify takes a minute to parse, under a 1 s bound:
+    the step's metrics count the training grades, eval/grader_timeouts the held-out ones, once
+    each. The slow parse is made so (a marker math-verify's extraction sleeps on, inside its own
+    time bound): deeply nested brackets, used before, parsed within the bound on a quiet machine
+    once in a while."""
+    import math_verify.parser as mv_parser
+
     import grpo
 
-    real_grade, calls = common.grade, []
+    real_grade, real_extract, calls = common.grade, mv_parser.extract_target_from_pred, []
+
+    def slow_on_the_marker(pred, *args, **kwargs):
+        if "SLOWMARK" in pred:
+            time.sleep(60)  # math-verify's time bound (SIGALRM) must cut this short
+        return real_extract(pred, *args, **kwargs)
 
     def slow_every_8th(text, gold, timeout_s=5, extraction="boxed"):
         calls.append(text)
         if len(calls) % 8 == 1:
-            text = "\\boxed{" + "(" * 60 + "1" + ")" * 60 + "}"
+            text = "\\boxed{SLOWMARK + 1}"
         return real_grade(text, gold, 1, extraction)
 
+    monkeypatch.setattr(mv_parser, "extract_target_from_pred", slow_on_the_marker)
     monkeypatch.setattr(common, "grade", slow_every_8th)
     argv = ["--steps", "2", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL]
     grpo.main([*argv, "--eval-dataset", "tiny", "--eval-n", "4", "--eval-every", "2"])
