@@ -70,6 +70,9 @@ def test_clip_split_by_sign_and_by_cut_off_by_hand():
     assert f["clip_frac_cut"] == pytest.approx(2 / 3)
     assert f["clip_frac_neg_adv"] == pytest.approx(1 / 2)
     assert f["clip_frac_ended"] == pytest.approx(1 / 2)
+    assert f["clip_frac_mini1"] == pytest.approx(3 / 5)  # 3 of all 5 valid tokens, either sign
+    f = diagnostics.update_figures(run, ctx, torch.arange(2), logp, torch.zeros(2, 3), mini=2)
+    assert f["clip_frac_mini2"] == pytest.approx(3 / 5) and "clip_frac_mini1" not in f
     # TEPO clips the carried sequence ratio: row 0's geometric mean e^0.2167 > 1 + 4e-4 clips all 3
     # tokens; row 1's e^-0.15 < 1 - 3e-4 clips both
     run = SimpleNamespace(algo="tepo", args=tepo.resolve_args(tepo.Args()))
@@ -78,7 +81,7 @@ def test_clip_split_by_sign_and_by_cut_off_by_hand():
     # rows selects a micro-batch out of the rollout batch
     f = diagnostics.update_figures(run, ctx, torch.tensor([1]), logp[1:], torch.zeros(1, 3))
     # no A > 0 or cut-off token: no figure
-    assert set(f) == {"clip_frac_neg_adv", "clip_frac_ended"}
+    assert set(f) == {"clip_frac_neg_adv", "clip_frac_ended", "clip_frac_mini1"}
 
 
 def _rows(run_dir):
@@ -121,6 +124,8 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
         "clip_frac_neg_adv",
         "clip_frac_cut",
         "clip_frac_ended",
+        "clip_frac_mini1",
+        "clip_frac_mini2",
         "kl_pos_adv",
         "kl_neg_adv",
         "kl_off_mask",
@@ -132,6 +137,8 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
         assert {k: v for k, v in d.items() if k in p} == p  # every plain figure, bit for bit
         assert set(d) - set(p) <= added
     assert added - {"right_cut_off_frac", "clip_frac_cut", "clip_frac_ended"} <= set(diagnosed[1])
+    # the first mini-batch is on-policy (ratio 1: nothing clips); the second is one step off
+    assert diagnosed[1]["clip_frac_mini1"] == 0.0
     assert json.loads((tmp_path / "diagnosed" / "args.json").read_text())["run_name"] == "diagnosed"
 
 

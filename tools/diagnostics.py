@@ -22,6 +22,9 @@ own statistics are (the first mini-batch of a rollout batch is on-policy: its ra
 never clips, so with 2 mini-batches the second's clip rates are twice these):
     clip_frac_pos_adv, clip_frac_neg_adv   share of the tokens with A > 0 (A < 0) clipped
     clip_frac_cut, clip_frac_ended         the same over the tokens of cut-off (ended) completions
+    clip_frac_mini1, clip_frac_mini2, ...  share of all valid tokens clipped in the rollout batch's
+                                first, second, ... mini-batch (each averaged over its own
+                                micro-batches: the second's figure stands apart from the first's)
     kl_pos_adv, kl_neg_adv      mean KL to the reference on tokens of completions with A > 0 / A < 0
     kl_off_mask                 (TEPO) mean KL on valid tokens off its KL mask
     kl_first_quarter, kl_last_quarter   mean KL in the first / last quarter of each completion
@@ -82,7 +85,9 @@ def rollout_figures(batch: dict, correct: torch.Tensor, advantages: torch.Tensor
     return out
 
 
-def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=None) -> dict:
+def update_figures(
+    run, context: dict, rows, logp, old_logp, kl_logp=None, M=None, mini: int = 1
+) -> dict:
     batch = context["batch"]
     m, cut = batch["mask"][rows].bool(), batch["truncated"][rows].bool()[:, None]  # [b, T], [b, 1]
     A = per_token(context["advantages"][rows])
@@ -94,6 +99,8 @@ def update_figures(run, context: dict, rows, logp, old_logp, kl_logp=None, M=Non
         where = where & m
         if where.any():
             out[f"clip_frac_{name}"] = (clipped & where).sum().item() / where.sum().item()
+    if m.any():  # mini: which optimizer step of the rollout batch this micro-batch belongs to
+        out[f"clip_frac_mini{mini}"] = (clipped & m).sum().item() / m.sum().item()
     if kl_logp is not None:
         d = kl_logp - logp
         kl = torch.exp(d) - d - 1  # k3, as the scripts' k3_kl
@@ -149,7 +156,7 @@ def diagnosed(script):
         def wrap(f):
             def wrapper(*a, **k):
                 out = f(*a, **k)
-                seen["advantages"], seen["new"] = read(out), True
+                seen["advantages"], seen["new"], seen["mini"] = read(out), True, 1
                 return out
 
             return wrapper
@@ -182,9 +189,18 @@ def diagnosed(script):
                         terms["old_logp"],
                         terms.get("ref_logp"),
                         terms.get("M"),
+                        seen.get("mini", 1),
                     )
                 )
             return out
+
+        return wrapper
+
+    def optimizer_step(f):
+        def wrapper(*a, **k):
+            # the micro-batches after an optimizer step belong to the next mini-batch
+            seen["mini"] = seen.get("mini", 1) + 1
+            return f(*a, **k)
 
         return wrapper
 
@@ -202,6 +218,7 @@ def diagnosed(script):
         *((script, name, advantages(read)) for name, read in ADVANTAGES.items()),
         (script, "token_logps", token_logps),
         *((script, name, loss) for name in LOSSES),
+        (common, "optimizer_step", optimizer_step),
         (common.Run, "end_step", end_step),
     )
 

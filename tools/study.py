@@ -166,6 +166,7 @@ class Args:
     )
 
 
+PPO_CLIP = ["--clip-low", "0.2", "--clip-high", "0.28"]  # PPO's range, as DAPO's
 # name -> (script, the flags that make this config); every other flag is the scripts' default
 CONFIGS = {
     "grpo": ("grpo", []),
@@ -188,6 +189,9 @@ CONFIGS = {
     "grpo-len": ("grpo", ["--overlong-cache", "16"]),
     "erpo-len": ("erpo", ["--overlong-cache", "16"]),
     "sapo-len": ("sapo", ["--overlong-cache", "16"]),
+    # PLAN-clip-real.md: tepo-len with PPO's clip range, on the sequence ratio and per token
+    "tepo-len-ppo": ("tepo", ["--overlong-cache", "16", *PPO_CLIP]),
+    "tepo-len-token": ("tepo", ["--overlong-cache", "16", "--ratio-level", "token", *PPO_CLIP]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
 # One name per run. A config's old name, as PLAN.md, PLAN-real.md and the data of the second study

@@ -41,7 +41,7 @@ STABLE_DROP = 0.05  # stable: step 60 >= step 30 - this
 LAST_STEPS = range(51, 61)  # the cut-off share over these training steps
 CONFIGS = (
     "grpo", "tepo", "tepo-seq-mean", "tepo-seq-ppo", "dapo", "grpo-no-kl", "erpo", "sapo",
-    "tepo-len", "grpo-len", "erpo-len", "sapo-len",
+    "tepo-len", "grpo-len", "erpo-len", "sapo-len", "tepo-len-ppo", "tepo-len-token",
 )  # fmt: skip
 STEP_COLUMNS = (
     "reward",
@@ -59,6 +59,8 @@ STEP_COLUMNS = (
     "clip_frac_neg_adv",
     "clip_frac_cut",
     "clip_frac_ended",
+    "clip_frac_mini1",
+    "clip_frac_mini2",
     "explained_var",
 )
 ONE_SEED = ("erpo", "sapo")  # seed 1 each, for the README's table (the plan's step 3)
