@@ -221,3 +221,51 @@ def test_tiny_finals_read_runs_made_under_a_config_s_old_name(tmp_path):
     finals = sr.tiny_finals(tmp_path)
     assert finals["tepo"] == [0.6, 0.7, 0.8, 0.9, 1.0]
     assert finals["tepo-seq-mean"] == []
+
+
+def test_the_clip_plan_on_a_study_folder(tmp_path):
+    """PLAN-clip-real.md's rule on made-up runs: tepo-len-token beats tepo-len (paired gains
+    +0.10 in every seed, learns, stable); tepo-len-ppo is worse (-0.06 in every seed). The decision
+    is then one reading for both beds; the clip fractions stand beside the gains."""
+    out, docs = tmp_path / "study", tmp_path / "docs"
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        + "".join(
+            f"grpo,{s},{k},{g},0.05,,,recorded\n"
+            for s in (1, 2, 3)
+            for k, g in zip((0, 15, 30, 45, 60), (0.1, 0.1, 0.2, 0.2, 0.3))
+        )
+    )
+    clip = {"clip_frac": 0.1, "clip_frac_mini1": 0.0, "clip_frac_mini2": 0.2}
+    for s in (1, 2, 3):
+        _run(out, f"tepo-len-s{s}", (0.1, 0.1, 0.2, 0.2, 0.2), diag={"clip_frac": 0.15})
+        _run(out, f"tepo-len-token-s{s}", (0.1, 0.2, 0.3, 0.3, 0.3), diag=clip)
+        _run(out, f"tepo-len-ppo-s{s}", (0.1, 0.1, 0.14, 0.14, 0.14), diag=clip)
+    assert sr.main(["--out", str(out), "--docs", str(docs), "--tiny", str(tmp_path / "no")]) == 0
+    text = (docs / "summary.md").read_text()
+    assert "## TEPO's clip on the real model (docs/study/PLAN-clip-real.md)" in text
+    # the baseline's second mini-batch: 2 x its clip_frac (its runs predate clip_frac_mini2)
+    assert "| tepo-len | 1 | +0.100 | - | 15.0% / 15.0% | 30.0% / 30.0% | 50% |" in text
+    assert "| tepo-len-token | 2 | +0.200 | +0.100 | 10.0% / 10.0% | 20.0% / 20.0% | 50% |" in text
+    assert "- **tepo-len-token** against tepo-len: better (mean difference +0.100)." in text
+    assert "- **tepo-len-ppo** against tepo-len: worse (mean difference -0.060)." in text
+    assert "**Decision**: tepo-len-token is better: one reading for both beds" in text
+    assert "clip_frac_mini2" in (docs / "steps.csv").read_text().splitlines()[0]
+
+
+def test_the_clip_decision_by_hand():
+    def evals(sampled):
+        return {(c, s): {60: {"sampled": sampled[c]}} for c in sr.CLIP for s in (1, 2, 3)}
+
+    same = {c: 0.2 for c in sr.CLIP}
+    pending = {"tepo-len-ppo": (None, 0.0), "tepo-len-token": ("better", 0.1)}
+    assert sr.clip_decision(evals(same), pending) == "pending"
+    neither = {c: ("no difference these seeds can see", 0.02) for c in sr.CLIP}
+    assert sr.clip_decision(evals(same), neither).startswith("neither candidate is better")
+    # both better: the larger mean difference decides; within 0.01, the sampled accuracy
+    both = {"tepo-len-ppo": ("better", 0.12), "tepo-len-token": ("better", 0.06)}
+    assert sr.clip_decision(evals(same), both).startswith("tepo-len-ppo is better: the scale")
+    close = {"tepo-len-ppo": ("better", 0.065), "tepo-len-token": ("better", 0.06)}
+    sampled = {"tepo-len-ppo": 0.2, "tepo-len-token": 0.3}
+    assert sr.clip_decision(evals(sampled), close).startswith("tepo-len-token is better")

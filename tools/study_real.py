@@ -1,5 +1,6 @@
 """The real-model studies on SmolLM2-135M-Instruct: docs/study/PLAN-real.md (why TEPO does not
-learn) and docs/study/PLAN-length.md (every script with a length term in its reward). This tool
+learn), docs/study/PLAN-length.md (every script with a length term in its reward) and
+docs/study/PLAN-clip-real.md (TEPO's clip range with the length term). This tool
 applies the plans' rules, as numbers, to the runs; tools/study.py runs them:
 
     python tools/study.py --jobs 2 --eval-every 15 --eval-n 128 --out runs/study-real \\
@@ -72,6 +73,11 @@ COMMAND_GAIN = 0.10  # if adopted, `python tepo.py --model ... --device cpu` (te
 CLAIM_FRAC = 0.9  # TEPO's claim: steps to 0.9 x the baseline's mean step-60 greedy accuracy
 CLAIM_RATIO = 0.6  # "about half": at most 0.6 x the baseline's steps
 EVAL_STEPS = (15, 30, 45, 60)  # the evaluations after step 0; a run that never reaches: > 60
+# PLAN-clip-real.md's numbers: tepo-len against itself with PPO's clip range
+CLIP = ("tepo-len-ppo", "tepo-len-token")
+CLIP_BASE = "tepo-len"
+BETTER = 0.05  # better: mean paired gain difference >= this (and > 0 in 2 of 3 seeds)
+SAMPLED_TIE = 0.01  # both better, mean differences within this: the step-60 sampled accuracy
 
 
 @dataclass
@@ -396,6 +402,109 @@ def claim(evals: dict, baseline: str, baseline_verdict: str | None) -> tuple[str
     return f"inconclusive: neither rule holds in 2 of {n} seeds {where}", lines
 
 
+def against_base(evals: dict, config: str, verdict: str | None) -> tuple[str | None, float]:
+    """PLAN-clip-real.md: is `config` better than, worse than or not told apart from tepo-len?
+    (None until both have all three seeds) and its mean paired gain difference.
+
+    >>> e = {(c, s): {0: {"greedy": 0.1}, 30: {"greedy": 0.1 + g}, 60: {"greedy": 0.1 + g}}
+    ...      for c, gs in (("tepo-len", (.19, .13, -.03)), ("x", (.3, .1, .2)))
+    ...      for s, g in zip((1, 2, 3), gs)}
+    >>> against_base(e, "x", "learns")[0], round(against_base(e, "x", "learns")[1], 3)
+    ('better', 0.103)
+    >>> against_base(e, "x", "weak")[0]
+    'no difference these seeds can see'
+    """
+    g, base = gains(evals, config), gains(evals, CLIP_BASE)
+    if len(g) < len(SEEDS) or len(base) < len(SEEDS):
+        return None, 0.0
+    d = [g[s] - base[s] for s in SEEDS]
+    mean = statistics.mean(d)
+    if sum(x > 0 for x in d) >= OF and mean >= BETTER and verdict == "learns":
+        if stable(evals, config):
+            return "better", mean
+    if sum(x < 0 for x in d) >= OF and mean <= -BETTER:
+        return "worse", mean
+    return "no difference these seeds can see", mean
+
+
+def clip_decision(evals: dict, compared: dict) -> str:
+    """The plan's decision from {config: (against_base, mean difference)}."""
+    if any(v is None for v, _ in compared.values()):
+        return "pending"
+    better = [c for c, (v, _) in compared.items() if v == "better"]
+    if len(better) == 2:  # the larger mean difference; within SAMPLED_TIE, the sampled accuracy
+        (a, da), (b, db) = ((c, compared[c][1]) for c in better)
+        if abs(da - db) > SAMPLED_TIE:
+            better = [a if da > db else b]
+        else:
+            sampled = {
+                c: statistics.mean(evals[c, s][60]["sampled"] or 0.0 for s in SEEDS) for c in better
+            }
+            better = [max(sampled, key=sampled.get)]
+    if not better:
+        return (
+            "neither candidate is better: tepo.py keeps GSPO's range on both beds; the narrow clip "
+            "is not shown to be what holds TEPO back on the real model"
+        )
+    if better == ["tepo-len-token"]:
+        return (
+            "tepo-len-token is better: one reading for both beds, tepo.py's default becomes the "
+            "per-token ratio at 0.2 / 0.28 (the tiny task could not tell it from GSPO's range in "
+            "steps)"
+        )
+    return (
+        "tepo-len-ppo is better: the scale decides; tepo.py's default stays GSPO's range (the "
+        "sequence ratio at PPO's range was clearly worse on the tiny task) and the README's "
+        "real-model command for tepo.py gains --clip-low 0.2 --clip-high 0.28"
+    )
+
+
+def clip_section(evals: dict, steps: dict, verdicts: dict) -> list[str]:
+    """summary.md's section for PLAN-clip-real.md: gains beside clip fractions, the rule."""
+    lines = [
+        "",
+        "## TEPO's clip on the real model (docs/study/PLAN-clip-real.md)",
+        "",
+        "| config | seed | gain | difference from tepo-len | clipped, steps 1-60 / 51-60 "
+        "| second mini-batch clipped, steps 1-60 / 51-60 | cut off, steps 51-60 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(pair):
+        return " / ".join("-" if v is None else f"{v:.1%}" for v in pair)
+
+    base = gains(evals, CLIP_BASE)
+    every = range(1, 61)
+    for config in (CLIP_BASE, *CLIP):
+        g = gains(evals, config)
+        for s in SEEDS:
+            if (config, s) not in evals:
+                continue
+            rows = steps.get((config, s), [])
+            frac = [_step_mean(rows, "clip_frac", r) for r in (every, LAST_STEPS)]
+            second = [_step_mean(rows, "clip_frac_mini2", r) for r in (every, LAST_STEPS)]
+            if second[0] is None:  # runs before clip_frac_mini2: the first mini-batch never clips
+                second = [None if f is None else 2 * f for f in frac]
+            diff = f"{g[s] - base[s]:+.3f}" if s in g and s in base and config != CLIP_BASE else "-"
+            cut = evals[config, s].get(60, {}).get("cut_off_share")
+            lines.append(
+                f"| {config} | {s} | {f'{g[s]:+.3f}' if s in g else '-'} | {diff} | {pct(frac)} | "
+                f"{pct(second)} | {'-' if cut is None else f'{cut:.0%}'} |"
+            )
+    compared = {c: against_base(evals, c, verdicts.get(c)) for c in CLIP}
+    lines += [
+        "",
+        "(tepo-len's runs predate `clip_frac_mini2`: its second mini-batch's share is 2 x "
+        "`clip_frac`, the first mini-batch being on-policy, with nothing clipped.)",
+        "",
+    ]
+    for c, (v, mean) in compared.items():
+        text = "pending" if v is None else f"{v} (mean difference {mean:+.3f})"
+        lines.append(f"- **{c}** against tepo-len: {text}.")
+    lines += ["", f"**Decision**: {clip_decision(evals, compared)}."]
+    return lines
+
+
 def length_section(evals: dict, steps: dict, verdicts: dict) -> list[str]:
     """summary.md's section for PLAN-length.md: attribution, adoption, the claim, the critic."""
     lines = ["", "## The length term (docs/study/PLAN-length.md)", ""]
@@ -590,6 +699,7 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
             if {c for c, _ in evals} & set(LENGTH.values())
             else []
         ),
+        *(clip_section(evals, steps, verdicts) if {c for c, _ in evals} & set(CLIP) else []),
         "",
         "## Diagnostics over steps 51-60 (means of the training steps)",
         "",
