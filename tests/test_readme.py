@@ -2,6 +2,7 @@
 common.RunArgs (or a script's Args) and the override in common.PRESETS, so a changed preset
 cannot leave the front page behind."""
 
+import csv
 import dataclasses
 import re
 import subprocess
@@ -66,3 +67,79 @@ def test_help_shows_what_how_and_the_algorithms_flags_first(script):
     assert out.index("  --clip-low") < out.index("  --model MODEL")
     assert out.count("(default: None)") <= 5
     assert "(default: 0.0002)" in out  # --lr's, where it is declared
+
+
+# ----- every figure in the README's results tables is its results file's -----------------------
+def readme_table(header: str) -> list[list[str]]:
+    """The rows of the README table whose header row starts with `header`, as cells."""
+    text = (ROOT / "README.md").read_text()
+    assert header in text, f"the README has no table {header!r}"
+    table = text.split(header)[1].split("\n\n")[0].strip().splitlines()[2:]  # past the rule
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+
+
+def csv_rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_tiny_table_is_docs_results_tiny_csv():
+    measured = {r["command"]: r for r in csv_rows(ROOT / "docs/results/tiny.csv")}
+    rows = readme_table("| default command |")
+    assert {r[0].strip("`") for r in rows} == set(measured) and len(rows) == 5
+    for command, wall, greedy, sampled in rows:
+        r = measured[command.strip("`")]
+        minutes, seconds = divmod(int(r["wall_s"]), 60)
+        assert wall == f"{minutes} min {seconds} s", command
+        assert greedy == f"{float(r['greedy_first']):.3f} -> {float(r['greedy_last']):.3f}"
+        assert sampled == f"{float(r['sampled_first']):.3f} -> {float(r['sampled_last']):.3f}"
+    tepo = measured["python tepo.py"]  # the opening's figures are the same run's
+    text = (ROOT / "README.md").read_text()
+    assert f"about {round(int(tepo['wall_s']) / 60)} minutes" in text.splitlines()[8]
+    assert f"(greedy {float(tepo['greedy_first']):.3f} -> {float(tepo['greedy_last']):.3f})" in text
+
+
+def test_the_real_model_table_is_the_studys_results_csv():
+    evals = {
+        (r["config"], int(r["seed"]), int(r["step"])): r
+        for r in csv_rows(ROOT / "docs/study/real/results.csv")
+    }
+    rows = readme_table("| cpu preset | greedy, step 0 -> 60")
+    assert len(rows) == 5
+    for script, greedy, mean_gain, sampled in rows:
+        name = script.strip("`").removesuffix(".py")
+        config = name if name == "dapo" else f"{name}-len"  # dapo has its length term built in
+        first = {float(evals[config, s, 0]["greedy_acc"]) for s in (1, 2, 3)}
+        assert len(first) == 1, "the seeds start from the same model"
+        last = [float(evals[config, s, 60]["greedy_acc"]) for s in (1, 2, 3)]
+        assert greedy == f"{first.pop():.3f} -> " + " / ".join(f"{v:.3f}" for v in last)
+        gains = [
+            last[i] - float(evals[config, s, 0]["greedy_acc"]) for i, s in enumerate((1, 2, 3))
+        ]
+        assert mean_gain == f"{sum(gains) / 3:+.3f}", script
+        samp = [float(evals[config, s, 60]["sampled_acc"]) for s in (1, 2, 3)]
+        assert sampled == " / ".join(f"{v:.3f}" for v in samp), script
+
+
+def test_the_tiny_claim_table_is_the_confirmation_summary():
+    summary = (ROOT / "docs/study/confirm/summary.md").read_text()
+    for row in readme_table("| tiny task, seeds 6-10 |"):
+        for cell in row[1:]:
+            assert cell in ("", "1") or cell in summary, f"{row[0]}: {cell} is not in its file"
+
+
+def test_tiny_table_keeps_the_rows_it_does_not_rerun(tmp_path, monkeypatch):
+    from tools import tiny_table
+
+    out = tmp_path / "tiny.csv"
+
+    def fake(script, folder):
+        return {c: f"{script}-{c}" for c in tiny_table.COLUMNS} | {"script": script}
+
+    monkeypatch.setattr(tiny_table, "run_one", fake)
+    assert tiny_table.main(["--scripts", "tepo,grpo", "--out", str(out)]) == 0
+    monkeypatch.setattr(tiny_table, "run_one", lambda s, f: fake(s, f) | {"wall_s": "new"})
+    assert tiny_table.main(["--scripts", "tepo", "--out", str(out)]) == 0
+    rows = csv_rows(out)
+    assert [r["script"] for r in rows] == ["grpo", "tepo"]  # the scripts' order, grpo kept
+    assert [r["wall_s"] for r in rows] == ["grpo-wall_s", "new"]
