@@ -174,8 +174,8 @@ class RunArgs:
 # is the lr under --lora-rank: about 10x full fine-tuning's for real models (LoRA Without Regret,
 # Thinking Machines 2025), 5x for the tiny model (measured). overlong_cache, the length term in
 # the reward, is reward shaping of ours, no part of any paper's objective: on for the cpu preset,
-# where without it no script but DAPO learned reliably and TEPO learned with it
-# (docs/study/PLAN-length.md). A script changes these only where its algorithm needs (presets).
+# by PLAN-length's adoption rule (TEPO learned there with it and not without: docs/study/README.md,
+# the length term). A script changes these only where its algorithm needs (presets).
 PRESETS = {
     "tiny": dict(lora_lr=1e-3),
     "cpu": dict(

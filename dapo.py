@@ -4,7 +4,7 @@ Paper: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Sca
 arXiv 2503.14476, Sec. 3.1-3.4. Every script's objective, and every choice we had to make, is
 explained in docs/objectives.md.
 
-    python dapo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python dapo.py                            # bundled tiny model + arithmetic, CPU, a few minutes
     python dapo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, MATH train split
     python dapo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>/checkpoint-<step>

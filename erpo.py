@@ -4,7 +4,7 @@ Paper: "Entropy-Regulated Policy Optimization", arXiv 2603.28204. Only its abstr
 read, and it gives no formula: all that it does not state is reconstructed, "(our reading)".
 The abstract, the secondary accounts we drew on and each choice: docs/objectives.md.
 
-    python erpo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python erpo.py                            # bundled tiny model + arithmetic, CPU, a few minutes
     python erpo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, MATH train split
     python erpo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>/checkpoint-<step>
@@ -28,8 +28,8 @@ the advantage that is new. Below the banner "The skeleton" the file is grpo.py's
 lines marked `# ERPO:` differ from grpo.py.
 On the cpu preset (a real model, --device cpu) the reward also charges the length cap
 (--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong gap): reward
-shaping of ours, not part of ERPO's objective, on because TEPO learned there with it and not
-without (docs/study).
+shaping of ours, not part of ERPO's objective, on because the study's rule adopted it
+there: TEPO learned with it and not without (docs/study/README.md, the length term).
 """
 
 from __future__ import annotations

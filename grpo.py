@@ -3,7 +3,7 @@
 Paper: Shao et al., "DeepSeekMath", arXiv 2402.03300, Sec. 4.1, Eq. 3. Every script's objective,
 and every choice we had to make, is explained in docs/objectives.md.
 
-    python grpo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python grpo.py                            # bundled tiny model + arithmetic, CPU, a few minutes
     python grpo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, MATH train split
     python grpo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>/checkpoint-<step>
@@ -27,8 +27,8 @@ the file is the same in every script, line for line (loader, LoRA, data, rollout
 evaluation). In the other scripts, lines marked with their name (`# TEPO:`) differ from this.
 On the cpu preset (a real model, --device cpu) the reward also charges the length cap
 (--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong gap): reward
-shaping of ours, not part of GRPO's objective, on because TEPO learned there with it and not
-without (docs/study).
+shaping of ours, not part of GRPO's objective, on because the study's rule adopted it
+there: TEPO learned with it and not without (docs/study/README.md, the length term).
 """
 
 from __future__ import annotations

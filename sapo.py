@@ -6,7 +6,7 @@ released verl-based code. Not Qwen's "Soft Adaptive Policy Optimization" (the sa
 Which piece comes from the paper, which from the code, and which is our reading:
 docs/objectives.md, section 6.
 
-    python sapo.py                            # bundled tiny model + arithmetic task, CPU, ~4 min
+    python sapo.py                            # bundled tiny model + arithmetic, CPU, a few minutes
     python sapo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, MATH train split
     python sapo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>/checkpoint-<step>   # the policy; the critic: critic/
@@ -31,8 +31,8 @@ come first, then the losses over them, then the rewards, GAE and the critic that
 Below the banner "The skeleton" the file is grpo.py's, line for line; `# SAPO:` marks the rest.
 On the cpu preset (a real model, --device cpu) the outcome also charges the length cap
 (--overlong-cache 16, DAPO's soft overlong punishment at half the right/wrong gap): reward
-shaping of ours, not part of SAPO's objective, on because TEPO learned there with it and not
-without (docs/study).
+shaping of ours, not part of SAPO's objective, on because the study's rule adopted it
+there: TEPO learned with it and not without (docs/study/README.md, the length term).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ ratio carried to every token and a KL term only on tokens with a positive advant
 entropy. Paper: arXiv 2510.09369 / 2604.12736, ACL 2026 (abstract only: the formulas are our
 reading, docs/objectives.md).
 
-    python tepo.py                            # bundled tiny model + arithmetic task, CPU, minutes
+    python tepo.py                            # bundled tiny model + arithmetic, CPU, a few minutes
     python tepo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, DAPO-Math-17k
     python tepo.py --resume runs/<run-name>   # continue a stopped run exactly where it stopped
     python eval.py --model runs/<run-name>    # score its latest checkpoint
