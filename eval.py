@@ -116,6 +116,8 @@ class Benchmark:
     answer_column: str
 
 
+# Config, split and columns checked against the sources cited in tests/fixtures/hub/<hub id>/
+# README.md (an excerpt of each set, loaded as the hub set by tests/test_benchmarks.py)
 BENCHMARKS = {
     "math500": Benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
     "aime24": Benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer"),

@@ -224,17 +224,18 @@ def build(out: Path = DEFAULT_OUT, seed: int = 0) -> Path:
     return out
 
 
-def datasets_cache(cache: Path) -> Path:
-    """The excerpts in tests/fixtures/hub/ as datasets' cache of the hub sets: with
-    HF_DATASETS_CACHE=cache and HF_HUB_OFFLINE=1, datasets.load_dataset(hub id, config) reads them
-    as it reads a hub set downloaded earlier. datasets files a local folder under its name, a hub
-    set under <org>___<name>: the one rename that makes the excerpt the hub set."""
+def datasets_cache(cache: Path, excerpts: dict = EXCERPTS) -> Path:
+    """The excerpts in tests/fixtures/hub/ (`excerpts`: hub id -> config) as datasets' cache of
+    the hub sets: with HF_DATASETS_CACHE=cache and HF_HUB_OFFLINE=1, datasets.load_dataset(hub id,
+    config) reads them as it reads a hub set downloaded earlier. datasets files a local folder
+    under its name, a hub set under <org>___<name>: the one rename that makes the excerpt the hub
+    set."""
     import datasets
 
     if cache.exists():  # ours, from an earlier build: datasets would pick its newest copy
         shutil.rmtree(cache)
     staging = cache / "staging"
-    for hub_id, config in EXCERPTS.items():
+    for hub_id, config in excerpts.items():
         builder = datasets.load_dataset_builder(
             str(FIXTURES / hub_id), config, cache_dir=str(staging)
         )
