@@ -498,7 +498,7 @@ def resolve_device(name: str) -> torch.device:
 # =====================================================================================
 BUNDLED = ("tiny", "words")  # data/<name>/<split>.jsonl, shuffled once: a subset is its first rows
 # Short name -> (hub id, config, problem column, answer column, answer is a full solution whose
-# last \boxed{} holds the answer)
+# last \boxed{} holds the answer). Each layout's source: tests/fixtures/hub/<hub id>/README.md
 HUB_DATASETS = {
     "math": ("DigitalLearningGmbH/MATH-lighteval", "default", "problem", "solution", True),
     "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "en", "prompt", "solution", False),
