@@ -237,7 +237,7 @@ def dapo_stats(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.28) -
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = common.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
+    run = common.Run(args, ALGO, resolve_args, needs_reference)  # folder, --resume, GPU cost
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model

@@ -309,7 +309,7 @@ def tepo_stats(
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = common.Run(args, ALGO, resolve_args)  # folder, --resume, seeding, logging, signals
+    run = common.Run(args, ALGO, resolve_args, needs_reference)  # folder, --resume, GPU cost
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model

@@ -330,7 +330,7 @@ def test_real_run_estimate_on_a_toy_model():
     """1e9 parameters, no embedding, one layer with one KV head of size 1 (4 bytes of K and V per
     token in bf16), 1 GB/s and 1e11 FLOP/s at 50%: every number below by hand."""
     toy = dict(params=1e9, embed=0, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1)
-    e = bench.real_run_estimate(
+    e = common.real_run_estimate(
         P=1,
         G=2,
         max_new_tokens=10,
@@ -352,7 +352,7 @@ def test_real_run_estimate_on_a_toy_model():
     assert e["train_s"] == pytest.approx(6 * (20 * 2e9 + 10 * 2) / 5e10)
     assert e["tokens_per_s"] == pytest.approx(10 / (e["generate_s"] + e["train_s"]))
     # launch-bound: a faster memory changes nothing; a critic adds 5 passes
-    fast = bench.real_run_estimate(
+    fast = common.real_run_estimate(
         P=1,
         G=2,
         max_new_tokens=10,
@@ -363,7 +363,7 @@ def test_real_run_estimate_on_a_toy_model():
         launch_s=0.02,
     )
     assert fast["decode_step_s"] == 0.02 and fast["generate_s"] == pytest.approx(0.2)
-    critic = bench.real_run_estimate(
+    critic = common.real_run_estimate(
         P=1,
         G=2,
         max_new_tokens=10,
@@ -376,8 +376,14 @@ def test_real_run_estimate_on_a_toy_model():
         model=toy,
     )
     assert critic["train_s"] == pytest.approx(11 * (20 * 2e9 + 10 * 2) / 5e10)
-    # several generate() calls: 256 completions in batches of 64
-    assert bench.real_run_estimate(P=32, G=8)["generate_calls"] == 4
+    # GRPO's preset on an A100 80GB, Qwen2.5-Math-1.5B: 256 completions in 4 generate() calls
+    e = common.real_run_estimate(P=32, G=8, model=bench.QWEN_MATH_1_5B)
+    assert (e["generate_calls"], round(1e3 * e["memory_step_s"], 1), e["generate_s"]) == (
+        4,
+        6.1,
+        240,
+    )
+    assert round(e["train_s"]) == 106
 
 
 def test_the_estimate_asks_each_script_whether_it_loads_a_reference(monkeypatch):
@@ -387,9 +393,10 @@ def test_the_estimate_asks_each_script_whether_it_loads_a_reference(monkeypatch)
 
     monkeypatch.setattr(grpo, "needs_reference", lambda args: False)
     row = next(r for r in bench.estimate_report().splitlines() if r.startswith("| grpo | "))
-    full, lora = bench.memory_estimate(False, 0), bench.memory_estimate(False, 64)
+    full, lora = (common.memory_estimate(False, r, model=bench.QWEN_MATH_1_5B) for r in (0, 64))
     assert f"**{full['peak'] / 1e9:.1f}** | " in row and f"**{lora['peak'] / 1e9:.1f}** | " in row
-    assert bench.memory_estimate(True, 0)["peak"] != full["peak"]  # it would have shown
+    shown = common.memory_estimate(True, 0, model=bench.QWEN_MATH_1_5B)["peak"]
+    assert shown != full["peak"]  # it would have shown
 
 
 def test_one_script_available_for_every_tool():

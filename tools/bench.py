@@ -53,7 +53,6 @@ import csv
 import importlib
 import inspect
 import io
-import math
 import os
 import platform
 import statistics
@@ -75,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-from common import UserError, arg  # noqa: E402
+from common import GPUS, UserError, arg, memory_estimate, real_run_estimate  # noqa: E402
 from tools.diagnostics import patched  # noqa: E402
 from tools.study import script_available  # noqa: E402
 
@@ -1045,8 +1044,6 @@ QWEN_MATH_1_5B = dict(
 )
 # Qwen2.5-0.5B (its config.json), the smaller critic the README suggests for SAPO on one GPU.
 QWEN_0_5B = dict(params=0.494e9, layers=24, hidden=896)
-# 80 GB GPUs: memory bandwidth (bytes/s) and dense bf16 FLOP/s, from the data sheets.
-GPUS = {"A100 80GB SXM": (2.04e12, 312e12), "H100 80GB SXM": (3.35e12, 989e12)}
 
 
 def real_presets() -> dict[str, tuple[int, int, bool, bool]]:
@@ -1065,148 +1062,6 @@ def real_presets() -> dict[str, tuple[int, int, bool, bool]]:
     return out
 
 
-def real_run_estimate(
-    P: int,
-    G: int,
-    max_new_tokens: int = 3000,
-    gen_batch_size: int = 64,
-    mean_completion: int = 600,
-    prompt_len: int = 200,
-    ref: bool = True,
-    critic: bool = False,
-    epochs: int = 1,
-    launch_s: float = 0.020,
-    mfu: float = 0.4,
-    bandwidth: float = 2.04e12,
-    flops: float = 312e12,
-    model: dict = QWEN_MATH_1_5B,
-) -> dict:
-    """Seconds per training step of a real-run preset from the model's shapes: an ESTIMATE, not
-    measured on a GPU. Assumptions:
-    generation  HF generate() with its dynamic KV cache and no continuous batching: each call of
-                gen_batch_size completions decodes max_new_tokens steps (one completion running
-                to the cap keeps its whole batch decoding). A decode step costs the larger of
-                (a) memory: the bf16 weights read once (autocast caches the cast of the
-                    trainable policy's weights), plus the KV cache at the mean context
-                    prompt_len + max_new_tokens / 2 read by attention and copied once by the
-                    cache's concatenation (read + write), at `bandwidth`;
-                (b) launches: launch_s, eager PyTorch's cost per step (~1,100 kernel launches for
-                    28 layers at ~15 us, plus the generate loop's Python).
-    training    every forward covers the padded rows, prompt_len + max_new_tokens positions per
-                completion (rows are padded to the rollout batch's longest completion), at 2 FLOP
-                per non-embedding parameter per position, plus the output layer on the
-                mean_completion valid positions; passes: old log-probs 1 forward, reference 1,
-                update 4 (forward, checkpoint recompute, backward = 2) per epoch, a critic as
-                much again; at `mfu` of the GPU's dense bf16 FLOP/s.
-
-    >>> e = real_run_estimate(P=32, G=8)  # GRPO on an A100 80GB
-    >>> e["generate_calls"], round(1e3 * e["memory_step_s"], 1), e["generate_s"]
-    (4, 6.1, 240.0)
-    >>> round(e["train_s"])
-    106
-    """
-    B = P * G
-    kv_per_token = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * 2  # K, V in bf16
-    batch = min(gen_batch_size, B)
-    calls = math.ceil(B / batch)
-    kv_bytes = batch * (prompt_len + max_new_tokens / 2) * kv_per_token
-    memory_s = (2 * model["params"] + 3 * kv_bytes) / bandwidth
-    decode_s = max(memory_s, launch_s)
-    generate_s = calls * max_new_tokens * decode_s
-    body = 2 * (model["params"] - model["embed"])  # FLOP per position, output layer aside
-    head = 2 * model["hidden"] * model["vocab"]  # FLOP per valid completion position
-    passes = 1 + int(ref) + 4 * epochs + (1 + 4 * epochs if critic else 0)
-    train_s = (
-        passes
-        * (B * (prompt_len + max_new_tokens) * body + B * mean_completion * head)
-        / (mfu * flops)
-    )
-    return {
-        "completions": B,
-        "generate_calls": calls,
-        "decode_step_s": decode_s,
-        "memory_step_s": memory_s,
-        "generate_s": generate_s,
-        "train_s": train_s,
-        "step_s": generate_s + train_s,
-        "valid_tokens": B * mean_completion,
-        "tokens_per_s": B * mean_completion / (generate_s + train_s),
-        "decode_tokens_per_s": batch / decode_s,
-    }
-
-
-def lora_params(rank: int, model: dict = QWEN_MATH_1_5B) -> int:
-    """Adapter parameters with --lora-target-modules all-linear: r x (in + out) for each of q, k, v,
-    o, gate, up and down in every layer.
-
-    >>> lora_params(1)  # Qwen2.5-Math-1.5B: 41,216 per layer and unit of rank
-    1154048
-    """
-    h, f = model["hidden"], model["intermediate"]
-    q, kv = model["heads"] * model["head_dim"], model["kv_heads"] * model["head_dim"]
-    return rank * model["layers"] * (2 * (h + q) + 2 * (h + kv) + 3 * (h + f))
-
-
-def memory_estimate(
-    ref: bool,
-    lora_rank: int = 0,
-    critic: dict | None = None,
-    gen_batch_size: int = 64,
-    micro_batch_size: int = 4,
-    context: int = 4096,
-    chunk: int = 1024,
-    model: dict = QWEN_MATH_1_5B,
-) -> dict:
-    """GPU memory of a real run, in bytes, from the model's shapes: an ESTIMATE, not measured.
-    Full fine-tuning: fp32 weights, fp32 gradients, AdamW's two fp32 moments, the bf16 copies
-    autocast caches of the trainable weights, a frozen fp32 reference when `ref`. LoRA: the base
-    in bf16 (never updated), fp32 adapters with their gradients and moments, and no reference (the
-    policy with its adapters off). Both: the KV cache of one generate() call (bf16 K and V,
-    context positions x gen_batch_size rows), one output-layer chunk (chunk positions x vocabulary
-    x 16 bytes: fp32 logits, softmax, gradient), checkpointed activations (one bf16 hidden state
-    per layer and position of a micro-batch). A critic (SAPO) is fully trained: fp32 weights,
-    gradients, moments, autocast copies and activations. Gradients are freed after each optimizer
-    step, so generation holds no gradients. Returns the training and generation phases' sums.
-
-    >>> toy = dict(params=10, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1, heads=1,
-    ...            intermediate=1)
-    >>> m = memory_estimate(ref=True, gen_batch_size=1, micro_batch_size=1, context=1, chunk=1,
-    ...                     model=toy)
-    >>> m["weights"], m["trained"], m["reference"], m["autocast"], m["kv_cache"], m["train"]
-    (40, 120, 40, 20, 4, 238)
-    """
-    P, L, H = model["params"], model["layers"], model["hidden"]
-    if lora_rank:
-        n = lora_params(lora_rank, model)
-        weights, trained, grads, autocast, reference = 2 * P, 16 * n, 4 * n, 0, 0
-    else:
-        weights, trained, grads, autocast = 4 * P, 12 * P, 4 * P, 2 * P
-        reference = 4 * P if ref else 0
-    kv = 2 * L * model["kv_heads"] * model["head_dim"] * 2 * context * gen_batch_size
-    head = chunk * model["vocab"] * 16
-    acts = micro_batch_size * context * L * H * 2
-    critic_train = critic_gen = 0
-    if critic is not None:
-        Pc = critic["params"]
-        activations = micro_batch_size * context * critic["layers"] * critic["hidden"] * 2
-        critic_train = 18 * Pc + activations
-        critic_gen = 16 * Pc  # weights and moments stay while the policy generates
-    out = {
-        "weights": weights,
-        "trained": trained,
-        "reference": reference,
-        "autocast": autocast,
-        "kv_cache": kv,
-        "output_chunk": head,
-        "activations": acts,
-        "critic": critic_train,
-    }
-    out["train"] = weights + trained + reference + autocast + head + acts + critic_train
-    out["generate"] = weights + trained - grads + reference + autocast + kv + critic_gen
-    out["peak"] = max(out["train"], out["generate"])
-    return out
-
-
 def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: int = 64) -> str:
     """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA;
     `presets` are real_presets(): whether a script loads a reference model is its own say."""
@@ -1216,7 +1071,7 @@ def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: in
 
     lines = [
         "GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches "
-        "of 64, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (bench.py, "
+        "of 64, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (common.py, "
         "memory_estimate); GB.",
         "",
         f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / "
@@ -1225,10 +1080,11 @@ def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: in
     ]
     for name, (_, _, ref, has_critic) in presets.items():
         critic = QWEN_MATH_1_5B if has_critic else None
-        full, lora = memory_estimate(ref, 0, critic), memory_estimate(ref, lora_rank, critic)
+        full = memory_estimate(ref, 0, critic, model=QWEN_MATH_1_5B)
+        lora = memory_estimate(ref, lora_rank, critic, model=QWEN_MATH_1_5B)
         fits = "yes, as is" if lora["peak"] < 24e9 else ""
         if has_critic:  # SAPO: its critic from a smaller model
-            small = memory_estimate(ref, lora_rank, QWEN_0_5B)
+            small = memory_estimate(ref, lora_rank, QWEN_0_5B, model=QWEN_MATH_1_5B)
             fits = f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])}"
         lines.append(
             f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / "
@@ -1243,7 +1099,7 @@ def estimate_report() -> str:
     lines = [
         "Real run, Qwen2.5-Math-1.5B, 3000 new tokens, generate() batches of 64: "
         "ESTIMATE, NOT MEASURED ON A GPU.",
-        "Assumptions (bench.py, real_run_estimate): mean completion 600 tokens, prompt 200; "
+        "Assumptions (common.py, real_run_estimate): mean completion 600 tokens, prompt 200; "
         "a decode step costs max(memory time, 20 ms of eager launch overhead); training at "
         "40% of the dense bf16 FLOP/s; DAPO: one sampling round per step.",
         "",
@@ -1254,7 +1110,9 @@ def estimate_report() -> str:
     presets = real_presets()
     for gpu, (bandwidth, flops) in GPUS.items():
         for name, (P, G, ref, critic) in presets.items():
-            e = real_run_estimate(P, G, ref=ref, critic=critic, bandwidth=bandwidth, flops=flops)
+            e = real_run_estimate(
+                P, G, ref=ref, critic=critic, bandwidth=bandwidth, flops=flops, model=QWEN_MATH_1_5B
+            )
             lines.append(
                 f"| {gpu} | {name} | {e['completions']} | "
                 f"{1e3 * e['decode_step_s']:.0f} ms ({1e3 * e['memory_step_s']:.1f} ms) | "

