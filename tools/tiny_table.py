@@ -31,7 +31,7 @@ from common import UserError, arg  # noqa: E402
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
 COLUMNS = (
     "script", "command", "wall_s", "sampled_first", "sampled_last", "greedy_first",
-    "greedy_last", "date", "cpu", "threads", "commit",
+    "greedy_last", "date", "cpu", "threads", "commit", "timed",
 )  # fmt: skip
 
 
@@ -42,15 +42,17 @@ class Args:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and core count, as the figures depend on them."""
-    name = platform.processor() or platform.machine()
+    """The CPU's model name, widest vector instructions and core count: the figures depend on them
+    (PyTorch rounds differently with AVX2 than with AVX-512)."""
+    name, isa = platform.processor() or platform.machine(), ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name}, {os.cpu_count()} cores"
+        text = cpuinfo.read_text()
+        name = next(
+            (x.split(":", 1)[1].strip() for x in text.splitlines() if "model name" in x), name
+        )
+        isa = ", AVX-512" if " avx512f" in text else ", AVX2" if " avx2" in text else ""
+    return f"{name}{isa}, {os.cpu_count()} cores"
 
 
 def run_one(script: str, folder: Path) -> dict:
@@ -76,6 +78,7 @@ def run_one(script: str, folder: Path) -> dict:
         "cpu": cpu_name(),
         "threads": json.loads((folder / script / "args.json").read_text())["threads"],
         "commit": commit or "unknown",
+        "timed": "the whole process",
     }
 
 
@@ -90,15 +93,15 @@ def main(argv=None) -> int:
         if out.is_file():
             with open(out) as f:
                 kept = {r["script"]: r for r in csv.DictReader(f)}
-        with tempfile.TemporaryDirectory() as tmp:
-            for s in scripts:
-                kept[s] = run_one(s, Path(tmp))
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", newline="") as f:
-            w = csv.DictWriter(f, COLUMNS)
-            w.writeheader()
-            w.writerows(kept[s] for s in SCRIPTS if s in kept)
-        print(f"wrote {out}")
+        with tempfile.TemporaryDirectory() as tmp:
+            for s in scripts:  # the file is written after each run: a stopped tool keeps its rows
+                kept[s] = run_one(s, Path(tmp))
+                with open(out, "w", newline="") as f:
+                    w = csv.DictWriter(f, COLUMNS)
+                    w.writeheader()
+                    w.writerows(kept[s] for s in SCRIPTS if s in kept)
+                print(f"wrote {out}")
         return 0
 
 
