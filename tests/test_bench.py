@@ -459,3 +459,33 @@ def test_threads_report_table(monkeypatch):
     assert "| tiny default | 2, default | 1.00 | 2.00 | 2.0x |" in text
     assert "| tiny default | 1, passive | 1.00 | 1.00 | 1.0x |" in text
     assert len(seen) == 2 * len(bench.THREAD_SETTINGS)
+
+
+# =====================================================================================
+# The cpu preset's memory: a fresh process per setting, each phase's peak
+# =====================================================================================
+def test_memory_row_reads_each_phase_peak_and_the_whole_process(monkeypatch):
+    row = bench.memory_row(str(ROOT / "tiny_model"), ["--micro-batch-size", "4"], steps=2)
+    phases = [row[f"{p}_gb"] for p in bench.MEMORY_PHASES]
+    assert all(0.05 < gb < 10 for gb in phases)  # a Python process with torch: 0.05-10 GB
+    assert row["peak_gb"] >= max(phases)  # the whole process holds every phase
+    assert row["step_s"] > 0 and 0 < row["update_s"] < row["step_s"]
+
+    monkeypatch.setattr(bench, "memory_row", lambda model, flags, steps: {**row, "step_s": 9.0})
+    monkeypatch.setattr(bench, "CPU_SETTINGS", {"micro-batch 4": ["--micro-batch-size", "4"]})
+    text = bench.cpu_memory_report(bench.Args(memory_model="tiny_model", memory_steps=2))
+    assert f"| micro-batch 4 | **{row['peak_gb']:.2f}** | {row['before_gb']:.2f} |" in text
+    assert text.rstrip().endswith(f"| 9.0 | {row['update_s']:.1f} |")
+
+
+def test_phase_peaks_come_from_the_process_own_high_water_mark():
+    if bench.rss_mb() is None:
+        pytest.skip("no /proc/self/status")
+    bench.reset_peak()
+    before = bench.rss_mb()
+    block = bytearray(200 * 2**20)  # 200 MB, touched
+    block[::4096] = b"\1" * len(block[::4096])
+    del block
+    assert bench.rss_mb() - before > 150  # the peak holds what was freed
+    bench.reset_peak()
+    assert bench.rss_mb() - before < 50  # and starts again from here

@@ -132,6 +132,7 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
         "kl_first_quarter",
         "kl_last_quarter",
         "kl_token_max",
+        "peak_rss_mb",
     }
     for p, d in zip(plain, diagnosed, strict=True):
         assert {k: v for k, v in d.items() if k in p} == p  # every plain figure, bit for bit
@@ -139,6 +140,8 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
     assert added - {"right_cut_off_frac", "clip_frac_cut", "clip_frac_ended"} <= set(diagnosed[1])
     # the first mini-batch is on-policy (ratio 1: nothing clips); the second is one step off
     assert diagnosed[1]["clip_frac_mini1"] == 0.0
+    peaks = [r["peak_rss_mb"] for r in diagnosed[1:]]  # the peak so far, each step: never falls
+    assert 50 < peaks[0] <= peaks[-1] < 20000
     assert json.loads((tmp_path / "diagnosed" / "args.json").read_text())["run_name"] == "diagnosed"
 
 

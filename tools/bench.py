@@ -139,6 +139,12 @@ class Args:
         "threads check: also time the cpu preset on this local model folder "
         "(e.g. models/SmolLM2-135M-Instruct; 2 timed steps a setting, minutes each)",
     )
+    memory_model: str | None = arg(
+        None,
+        "the cpu preset's memory and step time on this local model folder, one row for each "
+        "of CPU_SETTINGS (e.g. models/SmolLM2-135M-Instruct; minutes a row)",
+    )
+    memory_steps: int = arg(3, "memory rows: steps of each run; the last is evaluated")
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -180,10 +186,13 @@ def check(args: Args) -> None:
             f"--curve-script must be one of {', '.join(SCRIPTS)}": args.curve_script in SCRIPTS,
             f"--threads-steps must be at least 1, not {args.threads_steps}": args.threads_steps
             >= 1,
+            f"--memory-steps must be at least 2, not {args.memory_steps}": args.memory_steps >= 2,
         },
     )
-    if args.threads_model and not (Path(args.threads_model) / "config.json").is_file():
-        raise UserError(f"--threads-model {args.threads_model}: no model folder (config.json)")
+    for k in ("threads_model", "memory_model"):
+        folder = getattr(args, k)
+        if folder and not (Path(folder) / "config.json").is_file():
+            raise UserError(f"{common.flag(k)} {folder}: no model folder (config.json)")
     resolve_scripts(args.scripts)
     if not args.no_curves and not script_available(args.curve_script):
         raise UserError(f"--curve-script {args.curve_script}: its file does not define train()")
@@ -259,16 +268,35 @@ class Clock:
             self.times[phase] += self.now() - t0
 
 
+def rss_mb(field: str = "VmHWM") -> float | None:
+    """This process's peak (VmHWM) or current (VmRSS) resident memory, MB; None off Linux."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def reset_peak() -> None:
+    """From now on VmHWM is the peak since this call (Linux 4.0 and later)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 class PhaseTimer:
     """Within `with PhaseTimer(mod, device, on_step):`, each step of mod's train() adds the
     seconds of its phases, time/<phase>, to its metrics, and calls on_step(run, step, metrics)
     with them and time/step before its end_step. The functions in LAPS and common.optimizer_step
     are wrapped, and Run.steps and Run.end_step, then restored; nothing they compute changes.
     Only calls from the thread that entered are timed (TRL's calls of grpo.reward_fn are not
-    grpo.py's)."""
+    grpo.py's). On Linux each phase's peak resident memory is added too, mem/<phase> in MB, with
+    mem/before (from the previous step's end, or the process's start: loading, the first
+    evaluation), mem/after (samples and evaluation, after the last optimizer step) and mem/now
+    (resident at the step's end: what the allocator keeps)."""
 
     def __init__(self, mod, device: torch.device, on_step=None):
         self.clock, self.on_step, self.depth, self.mark = Clock(device), on_step, 0, 0.0
+        self.peaks = {}
         self.patches = patched(
             *((mod, name, self.timed(phase)) for name, phase in LAPS.items()),
             (common, "optimizer_step", self.timed("update")),
@@ -288,6 +316,10 @@ class PhaseTimer:
         now = self.clock.now()
         self.clock.times[phase] += now - self.mark
         self.mark = now
+        peak = rss_mb()
+        if peak is not None:
+            self.peaks[phase] = max(peak, self.peaks.get(phase, 0.0))
+            reset_peak()
 
     def timed(self, phase: str):
         def wrap(f):
@@ -319,15 +351,22 @@ class PhaseTimer:
     def steps(self, f):
         def steps(run, start):
             for step in f(run, start):
-                self.mark = self.clock.now()  # the step starts: the first lap's start
+                self.lap("before")  # the step starts: the first lap's start
+                self.clock.times.pop("before")
                 yield step
 
         return steps
 
     def end_step(self, f):
         def end_step(run, step, metrics):
+            self.lap("after")
             metrics = {**metrics, **{f"time/{p}": s for p, s in self.clock.times.items()}}
+            metrics.pop("time/after")
+            if self.peaks:
+                metrics |= {f"mem/{p}": mb for p, mb in self.peaks.items()}
+                metrics["mem/now"] = rss_mb("VmRSS")
             self.clock.times.clear()
+            self.peaks.clear()
             if self.on_step is not None:
                 self.on_step(run, step, {**metrics, "time/step": self.clock.now() - run.step_start})
             return f(run, step, metrics)
@@ -1211,6 +1250,92 @@ def threads_report(args: Args) -> str:
     return "\n".join(lines)
 
 
+# =====================================================================================
+# The cpu preset's memory and step time: a fresh process per setting
+# =====================================================================================
+# What governs a cpu-preset step's memory and time (docs/memory.md): the micro-batch (the update's
+# activations), activation checkpointing, the generate() batch. The output layer's chunk (1024
+# positions) is no setting here: a micro-batch of 16 completions of 64 tokens fills one chunk.
+CPU_SETTINGS = {
+    "as shipped": [],
+    "micro-batch 8": ["--micro-batch-size", "8"],
+    "micro-batch 4": ["--micro-batch-size", "4"],
+    "micro-batch 2": ["--micro-batch-size", "2"],
+    "checkpointing": ["--gradient-checkpointing", "true"],
+    "micro-batch 4, checkpointing": ["--micro-batch-size", "4", "--gradient-checkpointing", "true"],
+    "micro-batch 4, generate 32": ["--micro-batch-size", "4", "--gen-batch-size", "32"],
+}
+MEMORY_PHASES = ("before", "generate", "old_logp", "ref_logp", "update", "after")
+
+
+def phase_run(argv: list[str] | None = None) -> None:
+    """`python -c "from tools.bench import phase_run; phase_run()" tepo <flags>`: the script's own
+    main under PhaseTimer, so its metrics.jsonl gains time/<phase> and mem/<phase>."""
+    argv = sys.argv[1:] if argv is None else argv
+    mod = importlib.import_module(argv[0])
+    with PhaseTimer(mod, torch.device("cpu")):
+        mod.main(argv[1:])
+
+
+def memory_row(model: str, flags: list[str], steps: int) -> dict:
+    """One setting of tepo.py's cpu preset on `model`: a fresh process of one torch thread (as the
+    study's runs) for `steps` steps, held out on 64 problems at the start and at the last step
+    (one generate() call of 64, as the preset's 128). Its peak resident memory (whole process),
+    each phase's peak (PhaseTimer), in GB of 10**9 bytes, and the median time of the steps before
+    the last (the last is evaluated)."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = str(ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-c", "from tools.bench import phase_run; phase_run()", "tepo"]
+        cmd += ["--model", model, "--preset", "cpu", "--device", "cpu", "--steps", str(steps)]
+        cmd += ["--eval-every", str(steps), "--eval-n", "64", "--save-every", str(10**6)]
+        cmd += ["--sample-every", str(10**6), "--tensorboard", "false", *flags]
+        cmd += ["--output-dir", tmp, "--run-name", "m"]
+        with open(Path(tmp) / "log", "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            tail = "\n".join((Path(tmp) / "log").read_text().strip().splitlines()[-3:])
+            raise UserError(f"the cpu preset with {flags} failed: {tail}")
+        rows = [r for r in common.read_metrics(Path(tmp) / "m") if "time/step" in r]
+    gb = 2**20 / 1e9  # GB a MB of 2**20 bytes
+    peak = {p: max(r.get(f"mem/{p}") or 0.0 for r in rows) * gb for p in MEMORY_PHASES}
+    # ru_maxrss: the peak since PhaseTimer's last reset of it (kB), so after the last step's end
+    return {
+        "peak_gb": max(*peak.values(), usage.ru_maxrss / 1024 * gb),
+        **{f"{p}_gb": v for p, v in peak.items()},
+        "kept_gb": max(r.get("mem/now") or 0.0 for r in rows) * gb,
+        "step_s": statistics.median(r["time/step"] for r in rows[:-1]),
+        "update_s": statistics.median(r["time/update"] for r in rows[:-1]),
+    }
+
+
+def cpu_memory_report(args: Args) -> str:
+    """The cpu preset on --memory-model, each of CPU_SETTINGS: a table in GB and seconds."""
+    lines = [
+        f"tepo.py's cpu preset on {Path(args.memory_model).name}, one torch thread, "
+        f"{args.memory_steps} steps; peak resident memory in GB (10^9 bytes), whole process and "
+        "by phase (before: loading and the first evaluation; after: the last step's evaluation); "
+        "kept: resident at a step's end; s/step and s of the update: median of the steps before "
+        "the last.",
+        "",
+        "| setting | peak | before | generate | old log-probs | reference | update | after "
+        "| kept | s/step | update, s |",
+        "|---" * 11 + "|",
+    ]
+    for name, flags in CPU_SETTINGS.items():
+        print(f"memory: {name}", flush=True)
+        r = memory_row(args.memory_model, flags, args.memory_steps)
+        gbs = " | ".join(f"{r[f'{p}_gb']:.2f}" for p in MEMORY_PHASES)
+        lines.append(
+            f"| {name} | **{r['peak_gb']:.2f}** | {gbs} | {r['kept_gb']:.2f} | "
+            f"{r['step_s']:.1f} | {r['update_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def run(args: Args) -> dict:
     check(args)
     if args.estimate_only:
@@ -1308,7 +1433,13 @@ def run(args: Args) -> dict:
         print("\n" + report + "\n")
         md += ["## Threads, quiet and beside a busy core", "", report, ""]
 
-    # 5. The real run, estimated
+    # 5. The cpu preset on a real model: memory and time, a fresh process per setting
+    if args.memory_model:
+        report = cpu_memory_report(args)
+        print("\n" + report + "\n")
+        md += ["## The cpu preset: memory and step time", "", report, ""]
+
+    # 6. The real run, estimated
     estimate = estimate_report()
     print(estimate)
     md += ["## The real run (estimate, not measured on a GPU)", "", estimate, ""]

@@ -29,6 +29,7 @@ never clips, so with 2 mini-batches the second's clip rates are twice these):
     kl_off_mask                 (TEPO) mean KL on valid tokens off its KL mask
     kl_first_quarter, kl_last_quarter   mean KL in the first / last quarter of each completion
     kl_token_max                the largest KL of any token
+Per step: peak_rss_mb, the process's peak resident memory so far (evaluations included), in MB.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+try:
+    import resource
+except ImportError:  # not POSIX
+    resource = None
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -209,6 +215,8 @@ def diagnosed(script):
             if figures:  # averaged over the step, as the scripts' own statistics
                 metrics = {**metrics, **common.reduce_stats(figures)}
                 figures.clear()
+            if resource is not None:  # Linux: kB
+                metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             return f(run, step, metrics)
 
         return wrapper
