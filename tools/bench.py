@@ -144,7 +144,7 @@ class Args:
         "the cpu preset's memory and step time on this local model folder, one row for each "
         "of CPU_SETTINGS (e.g. models/SmolLM2-135M-Instruct; minutes a row)",
     )
-    memory_steps: int = arg(3, "memory rows: steps of each run; the last is evaluated")
+    memory_steps: int = arg(2, "memory rows: steps of each run; the first and last evaluate")
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -1258,7 +1258,6 @@ def threads_report(args: Args) -> str:
 # positions) is no setting here: a micro-batch of 16 completions of 64 tokens fills one chunk.
 CPU_SETTINGS = {
     "as shipped": [],
-    "micro-batch 8": ["--micro-batch-size", "8"],
     "micro-batch 4": ["--micro-batch-size", "4"],
     "micro-batch 2": ["--micro-batch-size", "2"],
     "checkpointing": ["--gradient-checkpointing", "true"],
