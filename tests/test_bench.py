@@ -478,6 +478,12 @@ def test_memory_row_reads_each_phase_peak_and_the_whole_process(monkeypatch):
     assert text.rstrip().endswith(f"| 9.0 | {row['update_s']:.1f} |")
 
 
+def test_a_fresh_run_that_fails_is_one_line_with_its_output():
+    cmd = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    with pytest.raises(UserError, match=r"^the thing failed \(exit 3\): boom$"):
+        bench.fresh_run("the thing", cmd, {})
+
+
 def test_phase_peaks_come_from_the_process_own_high_water_mark():
     if bench.rss_mb() is None:
         pytest.skip("no /proc/self/status")

@@ -1200,26 +1200,34 @@ def busy_core(busy: bool):
         spin.wait()
 
 
-def step_seconds(cmd: list[str], threads: int, wait: str, busy: bool) -> list[float]:
-    """time/step of each step after the first, of one run of `cmd` in a fresh process."""
+def fresh_run(what: str, cmd: list[str], env: dict, busy: bool = False) -> tuple[list, int]:
+    """One run of `cmd` (a script and its flags) in a fresh process, `env` added to this one's, in
+    a temporary folder: its metrics.jsonl rows and the process's peak resident memory (ru_maxrss,
+    kB on Linux). A failure is one line naming `what` and the output's last lines."""
     import subprocess
 
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    with tempfile.TemporaryDirectory() as tmp, busy_core(busy):
+        with open(Path(tmp) / "log", "w") as log:
+            cmd = [*cmd, "--output-dir", tmp, "--run-name", "t"]
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            tail = "\n".join((Path(tmp) / "log").read_text().strip().splitlines()[-3:])
+            code = os.waitstatus_to_exitcode(status)
+            raise UserError(f"{what} failed (exit {code}): {tail}")
+        return common.read_metrics(Path(tmp) / "t"), usage.ru_maxrss
+
+
+def step_seconds(cmd: list[str], threads: int, wait: str, busy: bool) -> list[float]:
+    """time/step of each step after the first, of one run of `cmd` in a fresh process."""
     env = {
-        **os.environ,
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         # an empty value is libgomp's default, and keeps the scripts' setdefault from changing it
         "OMP_WAIT_POLICY": "" if wait == "default" else wait,
-        "HF_HUB_OFFLINE": "1",
     }
-    with tempfile.TemporaryDirectory() as tmp, busy_core(busy):
-        done = subprocess.run(
-            [*cmd, "--output-dir", tmp, "--run-name", "t"], env=env, capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-3:])
-            raise UserError(f"{' '.join(cmd[1:3])} failed (exit {done.returncode}): {tail}")
-        rows = common.read_metrics(Path(tmp) / "t")
+    rows, _ = fresh_run(" ".join(cmd[1:3]), cmd, env, busy)
     return [r["time/step"] for r in rows if "time/step" in r][1:]
 
 
@@ -1282,28 +1290,18 @@ def memory_row(model: str, flags: list[str], steps: int) -> dict:
     (one generate() call of 64, as the preset's 128). Its peak resident memory (whole process),
     each phase's peak (PhaseTimer), in GB of 10**9 bytes, and the median time of the steps before
     the last (the last is evaluated)."""
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = str(ROOT)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-c", "from tools.bench import phase_run; phase_run()", "tepo"]
-        cmd += ["--model", model, "--preset", "cpu", "--device", "cpu", "--steps", str(steps)]
-        cmd += ["--eval-every", str(steps), "--eval-n", "64", "--save-every", str(10**6)]
-        cmd += ["--sample-every", str(10**6), "--tensorboard", "false", *flags]
-        cmd += ["--output-dir", tmp, "--run-name", "m"]
-        with open(Path(tmp) / "log", "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-            _, status, usage = os.wait4(proc.pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            tail = "\n".join((Path(tmp) / "log").read_text().strip().splitlines()[-3:])
-            raise UserError(f"the cpu preset with {flags} failed: {tail}")
-        rows = [r for r in common.read_metrics(Path(tmp) / "m") if "time/step" in r]
+    cmd = [sys.executable, "-c", "from tools.bench import phase_run; phase_run()", "tepo"]
+    cmd += ["--model", model, "--preset", "cpu", "--device", "cpu", "--steps", str(steps)]
+    cmd += ["--eval-every", str(steps), "--eval-n", "64", "--save-every", str(10**6)]
+    cmd += ["--sample-every", str(10**6), "--tensorboard", "false", *flags]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    rows, maxrss = fresh_run(f"the cpu preset with {flags}", cmd, env)
+    rows = [r for r in rows if "time/step" in r]
     gb = 2**20 / 1e9  # GB a MB of 2**20 bytes
     peak = {p: max(r.get(f"mem/{p}") or 0.0 for r in rows) * gb for p in MEMORY_PHASES}
     # ru_maxrss: the peak since PhaseTimer's last reset of it (kB), so after the last step's end
     return {
-        "peak_gb": max(*peak.values(), usage.ru_maxrss / 1024 * gb),
+        "peak_gb": max(*peak.values(), maxrss / 1024 * gb),
         **{f"{p}_gb": v for p, v in peak.items()},
         "kept_gb": max(r.get("mem/now") or 0.0 for r in rows) * gb,
         "step_s": statistics.median(r["time/step"] for r in rows[:-1]),
