@@ -1,7 +1,7 @@
-"""TEPO, Token-level Policy Optimization, in one file: GRPO (grpo.py) with a sequence-level
-ratio carried to every token and a KL term only on tokens with a positive advantage and falling
-entropy. Paper: arXiv 2510.09369 / 2604.12736, ACL 2026 (abstract only: the formulas are our
-reading, docs/objectives.md).
+"""TEPO, Token-level Policy Optimization, in one file: GRPO (grpo.py) with a token-mean loss,
+DAPO's clip range and a KL term only on tokens with a positive advantage and falling entropy.
+Paper: arXiv 2510.09369 / 2604.12736, ACL 2026 (abstract only: the formulas are our reading,
+docs/objectives.md).
 
     python tepo.py                            # bundled tiny model + arithmetic, CPU, a few minutes
     python tepo.py --model Qwen2.5-Math-1.5B  # the real run: one CUDA GPU, DAPO-Math-17k
@@ -11,12 +11,15 @@ reading, docs/objectives.md).
 TEPO changes GRPO in two ways, by its abstract: (1) the sequence-level likelihood links the
 group's reward to the tokens through token-level aggregation; (2) a token-level KL mask
 constrains only tokens with a positive advantage and decreasing entropy. As formulas, OUR READING:
-- Sequence ratio s_i, the geometric mean of the token ratios, carried to every token with the
-  token's own gradient:  log s_i = sum_t (logp_it - old_logp_it) m_it / sum_t m_it,
-  log s_it = sg(log s_i) + logp_it - sg(logp_it)                        (--ratio-level token: off)
-- l_it = -min(s_it A_i, clip(s_it, 1 - 3e-4, 1 + 4e-4) A_i) + kl_coef M_it k3(ref_it, logp_it),
-  GSPO's clip range for a length-normalised ratio (arXiv 2507.18071, Sec. 5.1), chosen by a
-  pre-registered study; TEPO's own range is unknown to us.
+- Ratio per token, s_it = exp(logp_it - old_logp_it): the sequence's likelihood is the product
+  of its tokens', so the group's reward reaches each token through that token's own ratio.
+  Readers of the full text describe a sequence ratio instead, the geometric mean of the token
+  ratios carried to every token (--ratio-level sequence; with it pass GSPO's range,
+  --clip-low 3e-4 --clip-high 4e-4, arXiv 2507.18071 Sec. 5.1). The tiny task could not tell the
+  two apart; on SmolLM2-135M-Instruct the per-token ratio learned more by a rule fixed before the
+  runs, so it is the default (docs/study/README.md).
+- l_it = -min(s_it A_i, clip(s_it, 1 - 0.2, 1 + 0.28) A_i) + kl_coef M_it k3(ref_it, logp_it),
+  DAPO's clip range; TEPO's own range is unknown to us.
 - Aggregation token-mean: sum_it l_it m_it / sum_it m_it over the mini-batch.
 - KL mask M_it = [A_i > 0] [entropy falls] m_it. "Falls", --entropy-test predicted (our reading
   of Lemma 3.2): a step on A log p_k changes the entropy by about -A c_it, with
@@ -59,20 +62,20 @@ ALGO = "tepo"
 @dataclass
 class Args(common.RunArgs):
     clip_low: float = arg(
-        3e-4,
-        "eps_low: the ratio is clipped below at 1 - eps_low (our reading: "
-        "GSPO's range for a sequence ratio; with --ratio-level token pass 0.2)",
+        0.2,
+        "eps_low: the ratio is clipped below at 1 - eps_low (our reading: DAPO's; "
+        "with --ratio-level sequence pass GSPO's 3e-4)",
     )
     clip_high: float = arg(
-        4e-4,
-        "eps_high: the ratio is clipped above at 1 + eps_high (our "
-        "reading: GSPO's; with --ratio-level token pass 0.28)",
+        0.28,
+        "eps_high: the ratio is clipped above at 1 + eps_high (our reading: DAPO's; "
+        "with --ratio-level sequence pass GSPO's 4e-4)",
     )
     kl_coef: float = arg(0.04, "coefficient of the masked KL term (our reading: GRPO's beta)")
     ratio_level: str = arg(
-        "sequence",
-        "sequence: the geometric-mean ratio carried to every token "
-        "(our reading); token: per-token ratios",
+        "token",
+        "token: per-token ratios (our reading, chosen on the real model); sequence: the "
+        "geometric-mean ratio carried to every token (as readers of the full text describe it)",
         choices=["sequence", "token"],
     )
     entropy_test: str = arg(
@@ -190,8 +193,8 @@ def token_mean(l: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.
     return torch.where(mask.bool(), l, 0.0).sum() / num_tokens
 
 
-def carried_log_ratio(logp, old_logp, mask, ratio_level: str = "sequence") -> torch.Tensor:
-    """[B, T] log-ratio used on each token. 'token': logp - old_logp. 'sequence' (our reading):
+def carried_log_ratio(logp, old_logp, mask, ratio_level: str) -> torch.Tensor:
+    """[B, T] log-ratio used on each token. 'token' (our reading): logp - old_logp. 'sequence':
     log s_i = the mean over valid tokens of logp - old_logp, carried as
     sg(log s_i) + logp - sg(logp): its value is log s_i on every token and d/d logp_it is 1
     (each token keeps its own gradient)."""
@@ -235,10 +238,10 @@ def tepo_loss(
     advantages,
     mask,
     M,
-    clip_low=3e-4,
-    clip_high=4e-4,
+    clip_low=0.2,
+    clip_high=0.28,
     kl_coef=0.04,
-    ratio_level="sequence",
+    ratio_level="token",
     num_tokens=None,
 ):
     """TEPO loss (our reading), aggregated token-mean. Copy it with k3_kl, token_mean,
@@ -254,10 +257,11 @@ def tepo_loss(
 
     >>> logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.0]])  # log-ratios 0.2, 0
     >>> A, m, M = torch.tensor([1.0]), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool)
-    >>> round(tepo_loss(logp, old, old, A, m, M).item(), 4)  # s = e^0.1, clipped at 1 + 4e-4
+    >>> round(tepo_loss(logp, old, old, A, m, M).item(), 4)  # ratios e^0.2 and 1: no clip
+    -1.1107
+    >>> seq = dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)  # with GSPO's range
+    >>> round(tepo_loss(logp, old, old, A, m, M, **seq).item(), 4)  # s = e^0.1, clipped at 1 + 4e-4
     -1.0004
-    >>> round(tepo_loss(logp, old, old, A, m, M, clip_high=0.28).item(), 4)  # inside PPO's range
-    -1.1052
     """
     A = advantages[:, None]  # [B, 1]
     s = torch.exp(carried_log_ratio(logp, old_logp, mask, ratio_level))  # [B, T]
@@ -276,9 +280,9 @@ def tepo_stats(
     mask,
     M,
     entropy,
-    clip_low=3e-4,
-    clip_high=4e-4,
-    ratio_level="sequence",
+    clip_low=0.2,
+    clip_high=0.28,
+    ratio_level="token",
 ) -> dict:
     """What to watch: the share of tokens the mask selects, their entropy against the others',
     the KL on them and on all tokens, the spread of sequence ratios, and the share of active

@@ -30,8 +30,8 @@ tepo.py's mini-batches; keep steps_per_generation a multiple of gradient_accumul
 
 Every flag except this script's own (--model, --dataset, --problem_column, --answer_column,
 --template, --answer_extraction, --grader_timeout, --max_prompt_tokens) and TEPO's
-(--ratio_level, --entropy_test, --entropy_tol, --kl_coef; clips: --epsilon 3e-4
---epsilon_high 4e-4, our reading) is TRL's own (GRPOConfig and transformers'
+(--ratio_level, --entropy_test, --entropy_tol, --kl_coef; clips: --epsilon 0.2
+--epsilon_high 0.28, our reading) is TRL's own (GRPOConfig and transformers'
 TrainingArguments: `--help` lists them all). TRL defaults to bf16 autocast over fp32 weights and
 gradient checkpointing, as tepo.py does on CUDA. Leave --beta unset: TEPO's KL coefficient is
 --kl_coef. Verified on CPU only (one process end to end; two processes for the cross-process

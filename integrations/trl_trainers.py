@@ -27,7 +27,7 @@ What maps to what (tepo.py / erpo.py flag -> TRL GRPOConfig field):
   --micro-batch-size                 per_device_train_batch_size
   --ppo-epochs                       num_iterations
   --max-new-tokens                   max_completion_length
-  TEPO --clip-low / --clip-high      epsilon / epsilon_high (defaults 3e-4 / 4e-4 here)
+  TEPO --clip-low / --clip-high      epsilon / epsilon_high (defaults 0.2 / 0.28 here)
   ERPO --clip-low/-high, --kl-coef   epsilon (epsilon_high must stay unset), beta (0.04 here)
   --lr, --warmup-steps               learning_rate, warmup_steps
   the advantage A_i                  TRL's: (r - group mean) / (group std + 1e-4), std with Bessel's
@@ -121,19 +121,17 @@ class TEPOConfig(GRPOConfig):
     KL coefficient: it is set from kl_coef and only tells TRL to load the reference."""
 
     epsilon: float = field(
-        default=3e-4,
+        default=0.2,
         metadata={
             "help": "TEPO --clip-low: the ratio is clipped below at 1 - "
-            "epsilon (our reading: GSPO's range for a sequence ratio; "
-            "with ratio_level token pass 0.2)"
+            "epsilon (our reading: DAPO's; with ratio_level sequence pass GSPO's 3e-4)"
         },
     )
     epsilon_high: float | None = field(
-        default=4e-4,
+        default=0.28,
         metadata={
-            "help": "TEPO --clip-high: the ratio is clipped "
-            "above at 1 + epsilon_high (our reading: GSPO's "
-            "range; with ratio_level token pass 0.28)"
+            "help": "TEPO --clip-high: the ratio is clipped above at 1 + epsilon_high "
+            "(our reading: DAPO's; with ratio_level sequence pass GSPO's 4e-4)"
         },
     )
     disable_dropout: bool = field(
@@ -150,10 +148,10 @@ class TEPOConfig(GRPOConfig):
         },
     )
     ratio_level: str = field(
-        default="sequence",
+        default="token",
         metadata={
-            "help": "sequence: the geometric-mean ratio carried to every token (our reading of "
-            "TEPO); token: per-token ratios",
+            "help": "token: per-token ratios (our reading of TEPO); sequence: the geometric-mean "
+            "ratio carried to every token",
             "choices": ["sequence", "token"],
         },
     )
@@ -510,8 +508,8 @@ class _ScriptObjectiveTrainer(GRPOTrainer):
 # TEPO
 # =====================================================================================
 class TEPOTrainer(_ScriptObjectiveTrainer):
-    """GRPOTrainer with TEPO's loss (tepo.py, our reading): the sequence (geometric-mean) ratio
-    carried to every token, clipped epsilon / epsilon_high, token-mean over each optimizer step,
+    """GRPOTrainer with TEPO's loss (tepo.py, our reading): per-token ratios (ratio_level
+    sequence: the geometric-mean ratio), clipped epsilon / epsilon_high, token-mean over each step,
     plus kl_coef * M * k3 on the KL mask M = [A > 0] [entropy falls] m. Use with TEPOConfig.
 
     Logged each step (TRL's logs, 'tepo/' prefix): mask_frac, masked_entropy, other_entropy,

@@ -73,9 +73,10 @@ def test_clip_split_by_sign_and_by_cut_off_by_hand():
     assert f["clip_frac_mini1"] == pytest.approx(3 / 5)  # 3 of all 5 valid tokens, either sign
     f = diagnostics.update_figures(run, ctx, torch.arange(2), logp, torch.zeros(2, 3), mini=2)
     assert f["clip_frac_mini2"] == pytest.approx(3 / 5) and "clip_frac_mini1" not in f
-    # TEPO clips the carried sequence ratio: row 0's geometric mean e^0.2167 > 1 + 4e-4 clips all 3
-    # tokens; row 1's e^-0.15 < 1 - 3e-4 clips both
-    run = SimpleNamespace(algo="tepo", args=tepo.resolve_args(tepo.Args()))
+    # TEPO with --ratio-level sequence clips the carried sequence ratio: row 0's geometric mean
+    # e^0.2167 > 1 + 4e-4 clips all 3 tokens; row 1's e^-0.15 < 1 - 3e-4 clips both
+    seq = tepo.Args(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)
+    run = SimpleNamespace(algo="tepo", args=tepo.resolve_args(seq))
     f = diagnostics.update_figures(run, ctx, torch.arange(2), logp, torch.zeros(2, 3))
     assert f["clip_frac_pos_adv"] == 1.0 and f["clip_frac_neg_adv"] == 1.0
     # rows selects a micro-batch out of the rollout batch

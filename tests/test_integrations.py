@@ -32,8 +32,8 @@ from tools import make_data  # noqa: E402
 TEMPERATURE = 0.7  # not 1, so that a missing division by the temperature shows
 
 
-# The loss-path tests run at PPO's range, where their random ratios (noise 0.2) are mostly unclipped
-# and every gradient is checked; the default range (3e-4 / 4e-4) has its own config test.
+# The loss-path tests run at PPO's range (TEPOConfig's default, spelled out), where their random
+# ratios (noise 0.2) are mostly unclipped and every gradient is checked.
 PPO_CLIP = dict(epsilon=0.2, epsilon_high=0.28)
 
 
@@ -287,7 +287,7 @@ def test_tepo_loss_path_logs_tepo_stats(tepo_trainer, monkeypatch):
         inputs[tt.OLD_ENTROPY],
         0.2,
         0.28,
-        "sequence",
+        "token",  # TEPOConfig's default, as tepo.py's
     )
     got = tepo_trainer._metrics["train"]
     assert {f"tepo/{k}" for k in want} | {"entropy"} == set(got)
@@ -424,8 +424,8 @@ def test_tepo_loss_through_the_model_matches_tepo_py(tepo_trainer, tok):
 def test_configs_map_tepo_and_erpo_flags_and_refuse_what_they_would_ignore(tmp_path):
     cfg = _config(tt.TEPOConfig, tmp_path)
     # tepo.py's
-    assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (3e-4, 4e-4, 0.04, 0.04)
-    assert (cfg.ratio_level, cfg.entropy_test, cfg.entropy_tol) == ("sequence", "predicted", 1e-3)
+    assert (cfg.epsilon, cfg.epsilon_high, cfg.kl_coef, cfg.beta) == (0.2, 0.28, 0.04, 0.04)
+    assert (cfg.ratio_level, cfg.entropy_test, cfg.entropy_tol) == ("token", "predicted", 1e-3)
     assert cfg.disable_dropout and not cfg.vllm_importance_sampling_correction
     # tepo.py's --kl-target and --loss-agg were rejected by a study and removed: so here
     assert not hasattr(cfg, "kl_target") and not hasattr(cfg, "loss_agg")

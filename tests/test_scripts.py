@@ -276,7 +276,7 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--ratio-level", "token", "--entropy-baseline", "ref"],
+        ["--ratio-level", "sequence", "--clip-low", "3e-4", "--clip-high", "4e-4"],
         ["--entropy-test", "observed", "--entropy-baseline", "ref"],
         ["--entropy-test", "observed", "--entropy-tol", "0"],
         ["--entropy-baseline", "ref", "--kl-coef", "0"],

@@ -194,6 +194,7 @@ def test_make_jobs(tmp_path):
         "100000",
         "--tensorboard",
         "false",
+        *study.SEQ_GSPO,
         "--entropy-test",
         "observed",
         "--lr",
@@ -235,12 +236,15 @@ def test_configs_and_settings(tmp_path):
     assert study.resolve_runs("tepo-seq-gspo:6,dapo:6") == [("tepo", 6), ("dapo", 6)]
     with pytest.raises(UserError, match="distinct"):
         study.resolve_configs("tepo,tepo-seq-gspo")
-    # the other candidates with their clips spelled out, whatever tepo.py's default is
-    assert study.CONFIGS["tepo-seq-ppo"] == ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"])
-    assert study.CONFIGS["tepo-token-ratio"] == (
-        "tepo",
-        ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"],
-    )
+    # every TEPO config with its ratio and clip spelled out, whatever tepo.py's default is
+    seq, ppo = ["--ratio-level", "sequence"], ["--clip-low", "0.2", "--clip-high", "0.28"]
+    gspo = [*seq, "--clip-low", "3e-4", "--clip-high", "4e-4"]
+    assert study.CONFIGS["tepo"] == ("tepo", gspo)
+    assert study.CONFIGS["tepo-seq-ppo"] == ("tepo", [*seq, *ppo])
+    assert study.CONFIGS["tepo-token-ratio"] == ("tepo", ["--ratio-level", "token", *ppo])
+    for name, (script, flags) in study.CONFIGS.items():
+        if script == "tepo":
+            assert "--ratio-level" in flags and "--clip-low" in flags, name
     assert study.CANDIDATES == ("tepo-seq-ppo", "tepo", "tepo-token-ratio")
     assert study.resolve_seeds("3,1") == [3, 1]
     args = study.Args()

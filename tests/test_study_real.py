@@ -91,11 +91,15 @@ def test_the_tool_on_a_study_folder(tmp_path, capsys):
     assert "Unfinished, left out: dapo-s1." in text
     rows = (docs / "results.csv").read_text().splitlines()
     assert rows[0] == (
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source"
+        "config,seed,preset,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source"
     )
-    assert "tepo-seq-mean,1,60,0.3,0.05,0.5,0.25,run" in rows  # cut off over steps 51-60
-    assert "tepo-seq-mean,1,0,0.1,0.05,,0.25,run" in rows  # no training step before step 0
-    assert "grpo,1,60,0.3,0.05,0.4,,recorded" in rows
+    assert (
+        "tepo-seq-mean,1,micro-batch 16,60,0.3,0.05,0.5,0.25,run" in rows
+    )  # cut off over steps 51-60
+    assert (
+        "tepo-seq-mean,1,micro-batch 16,0,0.1,0.05,,0.25,run" in rows
+    )  # no training step before step 0
+    assert "grpo,1,micro-batch 16,60,0.3,0.05,0.4,,recorded" in rows
     assert (docs / "steps.csv").read_text().count("\n") == 1 + 6 * 60
 
 
@@ -125,14 +129,13 @@ def test_landed_runs_outlive_their_run_folder(tmp_path):
     landed = {f: (docs / f).read_text() for f in ("results.csv", "steps.csv", "summary.md")}
     assert sr.main(["--out", str(tmp_path / "empty"), *args]) == 0  # the next session
     assert {f: (docs / f).read_text() for f in landed} == landed
-    assert "tepo-seq-mean,2,60,0.1,,,,console" in landed["results.csv"]
+    assert "tepo-seq-mean,2,micro-batch 16,60,0.1,,,,console" in landed["results.csv"]
     _run(second, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.3), cut=0.7)  # rerun: it replaces
     assert sr.main(["--out", str(second), *args]) == 0
     rows = (docs / "results.csv").read_text().splitlines()
-    assert (
-        "dapo,1,60,0.3,0.05,0.7,0.25,run" in rows and "dapo,1,60,0.2,0.05,0.5,0.25,run" not in rows
-    )
-    assert "tepo-seq-mean,1,60,0.4,0.05,0.2,0.25,run" in rows  # landed, kept
+    new, old = "dapo,1,micro-batch 16,60,0.3,0.05,0.7,0.25,run", "dapo,1,micro-batch 16,60,0.2"
+    assert new in rows and not any(r.startswith(old) for r in rows)
+    assert "tepo-seq-mean,1,micro-batch 16,60,0.4,0.05,0.2,0.25,run" in rows  # landed, kept
     assert (docs / "steps.csv").read_text().count("\n") == 1 + 2 * 60
 
 
@@ -269,3 +272,42 @@ def test_the_clip_decision_by_hand():
     close = {"tepo-len-ppo": ("better", 0.065), "tepo-len-token": ("better", 0.06)}
     sampled = {"tepo-len-ppo": 0.2, "tepo-len-token": 0.3}
     assert sr.clip_decision(evals(sampled), close).startswith("tepo-len-token is better")
+
+
+def test_runs_at_a_new_preset_keep_apart_from_the_first(tmp_path):
+    """A run's preset comes from its saved flags: runs at today's preset land beside the first
+    preset's with the same config and seed, in their own rows and their own section, with their
+    whole-run peak memory; the plans' rules read only the first preset's runs."""
+    out, docs = tmp_path / "study", tmp_path / "docs"
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        + "".join(
+            f"{c},{s},{k},{g},0.05,,,recorded\n"
+            for c in ("grpo", "dapo")
+            for s in (1, 2, 3)
+            for k, g in zip((0, 15, 30, 45, 60), (0.1, 0.1, 0.2, 0.2, 0.3))
+        )
+    )
+    for s in (1, 2, 3):
+        _run(out, f"tepo-len-token-s{s}", (0.1, 0.2, 0.2, 0.3, 0.2), diag={"peak_rss_mb": 2000.0})
+    _run(out, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.12), diag={"peak_rss_mb": 2861.0})
+    for d in (out / "runs").iterdir():
+        (d / "args.json").write_text('{"micro_batch_size": 2, "gen_batch_size": 64}')
+    assert sr.PRESET == "micro-batch 2"
+    assert sr.main(["--out", str(out), "--docs", str(docs), "--tiny", str(tmp_path / "no")]) == 0
+    rows = (docs / "results.csv").read_text().splitlines()
+    assert "dapo,1,micro-batch 16,60,0.3,0.05,,,recorded" in rows
+    assert "dapo,1,micro-batch 2,60,0.12,0.05,0.5,0.25,run" in rows
+    text = (docs / "summary.md").read_text()
+    # the plans' table: dapo seed 1 at the first preset only
+    assert "| dapo | 1 | 0.100, 0.100, 0.200, 0.200, 0.300 | +0.200 |" in text
+    section = text[text.index("## The cpu preset at micro-batch 2") :]
+    # 2861 MB of 2^20 bytes: 3.00 GB of 10^9
+    assert "| dapo | 1 | 0.100, 0.100, 0.100, 0.100, 0.120 | +0.020 | +0.200 | 3.00 |" in section
+    assert (
+        "| tepo-len-token | 3 | 0.100, 0.200, 0.200, 0.300, 0.200 | +0.100 | - | 2.10 |" in section
+    )
+    # gains 0.1 in 3 of 3, mean 0.1 >= GRPO's mean 0.2 / 2: learns
+    assert "tepo-len-token at micro-batch 2, PLAN-real's rule: learns." in section
+    assert "preset" in (docs / "steps.csv").read_text().splitlines()[0]

@@ -22,18 +22,19 @@ def _M(A, entropy, base_entropy, mask):
     return tepo.kl_mask(A, entropy < base_entropy, mask)
 
 
-PPO_CLIP = dict(clip_low=0.2, clip_high=0.28)  # the hand values below are worked at PPO's range,
-# where ratios of e^0.1 stay inside; the default range (3e-4 / 4e-4) has its own test
+# the hand values below are worked for the sequence ratio at PPO's range, where ratios of e^0.1
+# stay inside; the defaults (per-token ratios) and GSPO's range have their own test
+SEQ_PPO = dict(ratio_level="sequence", clip_low=0.2, clip_high=0.28)
 
 
 def _loss(logp, old, A, mask, M, ref_logp, N, **kw):
     # positional order of the API: logp, old_logp, ref_logp, advantages, mask, M, num_tokens
-    return tepo.tepo_loss(logp, old, ref_logp, A, mask, M, **{**PPO_CLIP, **kw}, num_tokens=N)
+    return tepo.tepo_loss(logp, old, ref_logp, A, mask, M, **{**SEQ_PPO, **kw}, num_tokens=N)
 
 
 def _stats(logp, old, A, mask, M, ref_logp, entropy, **kw):
     kw.pop("kl_coef", None)  # the loss's only argument that the statistics do not take
-    return tepo.tepo_stats(logp, old, ref_logp, A, mask, M, entropy, **{**PPO_CLIP, **kw})
+    return tepo.tepo_stats(logp, old, ref_logp, A, mask, M, entropy, **{**SEQ_PPO, **kw})
 
 
 # ====================================================================== 1. carried ratio
@@ -324,26 +325,43 @@ def test_full_tepo_loss_hand_value_2x3():
     assert torch.allclose(logp.grad, expected_grad, atol=1e-6)
 
 
-def test_defaults_are_sequence_level_clip_3e_4_4e_4_and_kl_0_04():
-    # the hand example above, called with defaults (docs/study/PLAN.md's pick, GSPO's range): both
-    # rows' sequence ratios (e^0.1, e^0.3) are above 1 + 4e-4 with A > 0, so every token is clipped
+def test_defaults_are_token_level_clip_0_2_0_28_and_kl_0_04():
+    # the hand example above, called with defaults (docs/study/PLAN-clip-real.md's pick): per-token
+    # ratios; row 0's e^0, e^0.1, e^0.2 lie inside [0.8, 1.28]; row 1's e^0.4 = 1.49 > 1.28 with
+    # A > 0 is clipped, its e^0.2 is not (its third token is padding)
     old, diff, mask, A, ent, base, d = _hand_2x3()
     M = _M(A, ent, base, mask)
     loss = tepo.tepo_loss(old + diff, old, old + diff + d, A, mask, M, num_tokens=5.0)
-    expected = (-3 * 2 * 1.0004 - 2 * 1 * 1.0004 + 0.04 * (2.5 - LN3)) / 5
+    e1, e2 = math.exp(0.1), math.exp(0.2)
+    expected = (-2 * (1 + e1 + e2) - 1.28 - e2 + 0.04 * (2.5 - LN3)) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M, ent)[
-        "clip_frac"
-    ] == pytest.approx(1.0)
-    # a ratio inside [1 - 3e-4, 1 + 4e-4] is not clipped: log s = 3e-4 on both rows
-    near = torch.full_like(old, 3e-4)
-    assert tepo.tepo_stats(old + near, old, old + diff + d, A, mask, M, ent)["clip_frac"] == 0
+    st = tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M, ent)
+    assert st["clip_frac"] == pytest.approx(1 / 5)
     args = tepo.resolve_args(tepo.Args())
     assert (args.clip_low, args.clip_high, args.ratio_level, args.kl_coef) == (
-        3e-4,
-        4e-4,
-        "sequence",
+        0.2,
+        0.28,
+        "token",
         0.04,
+    )
+
+
+def test_the_sequence_ratio_at_gspos_range_by_hand():
+    # --ratio-level sequence --clip-low 3e-4 --clip-high 4e-4 (the tiny task's pick, the default
+    # until the real model's study): both rows' sequence ratios (e^0.1, e^0.3) are above 1 + 4e-4
+    # with A > 0, so every token is clipped
+    old, diff, mask, A, ent, base, d = _hand_2x3()
+    M = _M(A, ent, base, mask)
+    gspo = dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)
+    loss = tepo.tepo_loss(old + diff, old, old + diff + d, A, mask, M, **gspo, num_tokens=5.0)
+    expected = (-3 * 2 * 1.0004 - 2 * 1 * 1.0004 + 0.04 * (2.5 - LN3)) / 5
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    st = tepo.tepo_stats(old + diff, old, old + diff + d, A, mask, M, ent, **gspo)
+    assert st["clip_frac"] == pytest.approx(1.0)
+    # a ratio inside [1 - 3e-4, 1 + 4e-4] is not clipped: log s = 3e-4 on both rows
+    near = torch.full_like(old, 3e-4)
+    assert (
+        tepo.tepo_stats(old + near, old, old + diff + d, A, mask, M, ent, **gspo)["clip_frac"] == 0
     )
 
 
@@ -399,7 +417,7 @@ def test_the_loss_is_the_token_mean_of_pg_and_masked_kl_bit_for_bit(ratio_level)
     N = float(mask.sum())
     s = torch.exp(tepo.carried_log_ratio(logp, old, mask, ratio_level))
     a = A[:, None]
-    pg = -torch.min(s * a, torch.clamp(s, 1 - 3e-4, 1 + 4e-4) * a)
+    pg = -torch.min(s * a, torch.clamp(s, 1 - 0.2, 1 + 0.28) * a)
     before = tepo.token_mean(pg + 0.04 * torch.where(M, tepo.k3_kl(ref_logp, logp), 0.0), mask, N)
     for n in (N, None):
         now = tepo.tepo_loss(logp, old, ref_logp, A, mask, M, ratio_level=ratio_level, num_tokens=n)

@@ -1265,9 +1265,9 @@ def threads_report(args: Args) -> str:
 # activations), activation checkpointing, the generate() batch. The output layer's chunk (1024
 # positions) is no setting here: a micro-batch of 16 completions of 64 tokens fills one chunk.
 CPU_SETTINGS = {
-    "as shipped": [],
+    "as shipped": [],  # micro-batch 2 since 2026-12-06, chosen by this table (docs/memory.md)
+    "micro-batch 16": ["--micro-batch-size", "16"],  # the preset until then
     "micro-batch 4": ["--micro-batch-size", "4"],
-    "micro-batch 2": ["--micro-batch-size", "2"],
     "checkpointing": ["--gradient-checkpointing", "true"],
     "micro-batch 4, checkpointing": ["--micro-batch-size", "4", "--gradient-checkpointing", "true"],
     "micro-batch 4, generate 32": ["--micro-batch-size", "4", "--gen-batch-size", "32"],

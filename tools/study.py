@@ -15,7 +15,7 @@ The second study (docs/study/PLAN.md, fixed before its runs) is two commands. De
     python tools/study.py --jobs 2 --configs grpo,dapo,tepo-seq-ppo,tepo,tepo-token-ratio
         --seeds 1,2,3,4,5 --out runs/study2-dev
 
-It picked (b), now tepo.py's default and so the config `tepo`. Confirmation, seeds 6-10, the
+It picked (b), then tepo.py's default, the config `tepo`. Confirmation, seeds 6-10, the
 baselines and the chosen default only, at the development threshold; its summary gives the
 verdict by the plan's rule:
 
@@ -73,18 +73,18 @@ steps are exact whatever the machine does.
 
 Default configs (erpo and sapo only where their scripts exist):
     grpo, dapo                 the baselines
-    tepo                       TEPO as tepo.py runs it by default (predicted entropy test; since the
-                               second study, the sequence ratio clipped at 3e-4 / 4e-4; the first
-                               study, docs/study/summary.md, ran it and its ablations at 0.2 / 0.28)
+    tepo                       TEPO as the studies of the tiny task ran it: predicted entropy test,
+                               the sequence ratio clipped at 3e-4 / 4e-4 (PLAN.md's (b); the first
+                               study, docs/study/summary.md, ran it and its ablations at 0.2 / 0.28;
+                               tepo.py's default is tepo-token-ratio since PLAN-clip-real.md)
     tepo-observed              --entropy-test observed: the mask tests the entropy's observed fall
     erpo, sapo                 the other objectives of this project, for reference
     tepo-token-ratio           ablation: per-token ratios instead of the sequence ratio, clipped
                                at PPO's 0.2 / 0.28 (PLAN.md's candidate (c))
     tepo-no-kl                 ablation: --kl-coef 0, no masked KL term at all
     tepo-mask-ref              ablation: observed test against the reference model's entropy
-Not in the default list, only by --configs (PLAN.md's candidate (a), its flags spelled out so
-that it runs the same whatever tepo.py's default is; (b), GSPO's clip, is tepo.py's default,
-`tepo`):
+Not in the default list, only by --configs (every TEPO config spells out its ratio and clip, so
+that it runs the same whatever tepo.py's default is):
     tepo-seq-ppo               (a): the sequence ratio clipped at PPO's 0.2 / 0.28 (first reading)
     tepo-seq-mean, grpo-no-kl  docs/study/PLAN-real.md: GRPO's aggregation (retired: tepo.py no
                                longer has --loss-agg; its runs are read, not started); GRPO
@@ -167,36 +167,42 @@ class Args:
 
 
 PPO_CLIP = ["--clip-low", "0.2", "--clip-high", "0.28"]  # PPO's range, as DAPO's
+# PLAN.md's (b): the sequence ratio at GSPO's range, tepo.py's default from the second study until
+# PLAN-clip-real.md's. Every TEPO config spells out its ratio and clip, so that a name means what
+# its recorded runs ran whatever tepo.py's default is.
+SEQ = ["--ratio-level", "sequence"]
+SEQ_GSPO = [*SEQ, "--clip-low", "3e-4", "--clip-high", "4e-4"]
+TOKEN_PPO = ["--ratio-level", "token", *PPO_CLIP]  # PLAN.md's (c), tepo.py's default since
 # name -> (script, the flags that make this config); every other flag is the scripts' default
 CONFIGS = {
     "grpo": ("grpo", []),
     "dapo": ("dapo", []),
-    "tepo": ("tepo", []),
-    "tepo-observed": ("tepo", ["--entropy-test", "observed"]),
+    "tepo": ("tepo", SEQ_GSPO),  # PLAN.md (b)
+    "tepo-observed": ("tepo", [*SEQ_GSPO, "--entropy-test", "observed"]),
     "erpo": ("erpo", []),
     "sapo": ("sapo", []),
-    "tepo-token-ratio": (
+    "tepo-token-ratio": ("tepo", TOKEN_PPO),  # (c)
+    "tepo-no-kl": ("tepo", [*SEQ_GSPO, "--kl-coef", "0"]),
+    "tepo-mask-ref": (
         "tepo",
-        ["--ratio-level", "token", "--clip-low", "0.2", "--clip-high", "0.28"],
-    ),  # (c)
-    "tepo-no-kl": ("tepo", ["--kl-coef", "0"]),
-    "tepo-mask-ref": ("tepo", ["--entropy-test", "observed", "--entropy-baseline", "ref"]),
-    "tepo-seq-ppo": ("tepo", ["--clip-low", "0.2", "--clip-high", "0.28"]),  # PLAN.md (a)
-    "tepo-seq-mean": ("tepo", ["--loss-agg", "seq-mean-token-mean"]),  # PLAN-real.md: retired
+        [*SEQ_GSPO, "--entropy-test", "observed", "--entropy-baseline", "ref"],
+    ),
+    "tepo-seq-ppo": ("tepo", [*SEQ, *PPO_CLIP]),  # PLAN.md (a)
+    "tepo-seq-mean": ("tepo", [*SEQ_GSPO, "--loss-agg", "seq-mean-token-mean"]),  # retired
     "grpo-no-kl": ("grpo", ["--kl-coef", "0"]),  # PLAN-real.md: GRPO without its KL term
     # PLAN-length.md: each script with dapo.py's length term (cpu value), seeds 1-3
-    "tepo-len": ("tepo", ["--overlong-cache", "16"]),
+    "tepo-len": ("tepo", [*SEQ_GSPO, "--overlong-cache", "16"]),
     "grpo-len": ("grpo", ["--overlong-cache", "16"]),
     "erpo-len": ("erpo", ["--overlong-cache", "16"]),
     "sapo-len": ("sapo", ["--overlong-cache", "16"]),
     # PLAN-clip-real.md: tepo-len with PPO's clip range, on the sequence ratio and per token
-    "tepo-len-ppo": ("tepo", ["--overlong-cache", "16", *PPO_CLIP]),
-    "tepo-len-token": ("tepo", ["--overlong-cache", "16", "--ratio-level", "token", *PPO_CLIP]),
+    "tepo-len-ppo": ("tepo", ["--overlong-cache", "16", *SEQ, *PPO_CLIP]),
+    "tepo-len-token": ("tepo", ["--overlong-cache", "16", *TOKEN_PPO]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
 # One name per run. A config's old name, as PLAN.md, PLAN-real.md and the data of the second study
 # (docs/study/dev/, confirm/) still spell it, reads as its name today: `tepo-seq-gspo` spelled out
-# tepo.py's default, GSPO's clip 3e-4 / 4e-4 (PLAN.md's (b)), which is `tepo`. (The second
+# GSPO's clip 3e-4 / 4e-4 (PLAN.md's (b)), which is `tepo`. (The second
 # study's development data also has a `tepo`: tepo.py's default then, (a), today `tepo-seq-ppo`.)
 OLD_NAMES = {"tepo-seq-gspo": "tepo"}
 # Configs whose flags the scripts no longer have: their finished runs are still read, none starts.
@@ -208,10 +214,10 @@ RETIRED = {
 DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
 # PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence.
-# (b), picked, is tepo.py's default since: `tepo`.
+# (b), picked, was tepo.py's default until PLAN-clip-real.md chose (c) on the real model.
 CANDIDATES = ("tepo-seq-ppo", "tepo", "tepo-token-ratio")
 ACC_TIE = 0.01  # PLAN.md: final sampled accuracies within this of each other do not decide
-CLAIMED = "tepo"  # the config the verdict is about: TEPO as tepo.py runs by default
+CLAIMED = "tepo"  # the config the verdict is about: (b), tepo.py's default when it ran
 CLAIM_RATIO = 0.6  # "about half the time": at most 0.6x the baseline's steps (or seconds)
 FIXED_FLAGS = ["--save-every", "100000", "--sample-every", "100000", "--tensorboard", "false"]
 

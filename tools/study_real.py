@@ -63,6 +63,7 @@ STEP_COLUMNS = (
     "clip_frac_mini1",
     "clip_frac_mini2",
     "explained_var",
+    "peak_rss_mb",
 )
 ONE_SEED = ("erpo", "sapo")  # seed 1 each, for the README's table (the plan's step 3)
 TINY = ("tepo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
@@ -78,6 +79,12 @@ CLIP = ("tepo-len-ppo", "tepo-len-token")
 CLIP_BASE = "tepo-len"
 BETTER = 0.05  # better: mean paired gain difference >= this (and > 0 in 2 of 3 seeds)
 SAMPLED_TIE = 0.01  # both better, mean differences within this: the step-60 sampled accuracy
+# The cpu preset each run used: every run before 2026-12-06 ran at the first; the second is
+# docs/memory.md's choice by measurement (issue 56), checked by seed 1 of every script and seeds
+# 1-3 of tepo.py's default (with the length term), PLAN-real's rule as above
+FIRST_PRESET = "micro-batch 16"
+PRESET = "micro-batch 2"  # common.PRESETS["cpu"] today
+PRESET_RUNS = ("dapo", "sapo-len", "grpo-len", "erpo-len", "tepo-len-token")
 
 
 @dataclass
@@ -95,8 +102,8 @@ def _f(x: str) -> float | None:
 
 
 def read_results(path: Path, sources=None) -> dict:
-    """{(config, seed): {step: row}} from recorded.csv or results.csv (the rows whose source is
-    in `sources`, all if None)."""
+    """{(config, seed, preset): {step: row}} from recorded.csv or results.csv (the rows whose
+    source is in `sources`, all if None; rows without a preset ran at FIRST_PRESET)."""
     runs = {}
     with open(path) as f:
         for r in csv.DictReader(f):
@@ -109,17 +116,19 @@ def read_results(path: Path, sources=None) -> dict:
                 "greedy_cut_off_share": _f(r["greedy_cut_off_share"]),
                 "source": r["source"],
             }
-            runs.setdefault((r["config"], int(r["seed"])), {})[int(r["step"])] = row
+            key = (r["config"], int(r["seed"]), r.get("preset") or FIRST_PRESET)
+            runs.setdefault(key, {})[int(r["step"])] = row
     return runs
 
 
 def read_steps(path: Path) -> dict:
-    """{(config, seed): [training rows]} from a steps.csv that write_csvs wrote."""
+    """{(config, seed, preset): [training rows]} from a steps.csv that write_csvs wrote."""
     steps = {}
     with open(path) as f:
         for r in csv.DictReader(f):
             row = {"step": int(r["step"]), **{k: _f(r.get(k)) for k in STEP_COLUMNS}}
-            steps.setdefault((r["config"], int(r["seed"])), []).append(row)
+            key = (r["config"], int(r["seed"]), r.get("preset") or FIRST_PRESET)
+            steps.setdefault(key, []).append(row)
     return steps
 
 
@@ -151,9 +160,31 @@ def evals_of(rows: list[dict]) -> dict:
     return out
 
 
+def preset_of(run: Path) -> str:
+    """The cpu preset a run used, from its saved flags (args.json): its micro-batch, with
+    activation checkpointing and a generate() batch other than 64 where it had them.
+
+    >>> import json, tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "args.json").write_text(json.dumps({"micro_batch_size": 4, "gen_batch_size": 32}))
+    >>> preset_of(d), preset_of(d / "none")
+    ('micro-batch 4, generate 32', 'micro-batch 16')
+    """
+    try:
+        flags = json.loads((run / "args.json").read_text())
+    except (OSError, ValueError):
+        return FIRST_PRESET  # the made-up runs of the tests; every real run saves its flags
+    label = f"micro-batch {flags.get('micro_batch_size', 16)}"
+    if flags.get("gradient_checkpointing"):
+        label += ", checkpointing"
+    if flags.get("gen_batch_size", 64) != 64:
+        label += f", generate {flags['gen_batch_size']}"
+    return label
+
+
 def read_runs(out: Path) -> tuple[dict, dict, list[str]]:
-    """(evaluations {(config, seed): {step: row}}, training rows {(config, seed): [rows]},
-    unfinished run names) of the runs in a tools/study.py folder."""
+    """(evaluations {(config, seed, preset): {step: row}}, training rows {(config, seed, preset):
+    [rows]}, unfinished run names) of the runs in a tools/study.py folder."""
     evals, steps, unfinished = {}, {}, []
     for d in sorted((out / "runs").glob("*-s*")) if (out / "runs").is_dir() else []:
         config, _, seed = d.name.rpartition("-s")
@@ -163,8 +194,9 @@ def read_runs(out: Path) -> tuple[dict, dict, list[str]]:
             unfinished.append(d.name)
             continue
         rows = common.read_metrics(d)
-        evals[config, int(seed)] = evals_of(rows)
-        steps[config, int(seed)] = [r for r in rows if r["step"] > 0]
+        preset = preset_of(d)
+        evals[config, int(seed), preset] = evals_of(rows)
+        steps[config, int(seed), preset] = [r for r in rows if r["step"] > 0]
     return evals, steps, unfinished
 
 
@@ -577,6 +609,7 @@ def write_csvs(docs: Path, evals: dict, steps: dict) -> None:
             [
                 "config",
                 "seed",
+                "preset",
                 "step",
                 "greedy_acc",
                 "sampled_acc",
@@ -585,14 +618,17 @@ def write_csvs(docs: Path, evals: dict, steps: dict) -> None:
                 "source",
             ]
         )
-        order = sorted(evals, key=lambda k: (CONFIGS.index(k[0]) if k[0] in CONFIGS else 99, k[1]))
-        for config, seed in order:
-            e = evals[config, seed]
+        order = sorted(
+            evals, key=lambda k: (k[2], CONFIGS.index(k[0]) if k[0] in CONFIGS else 99, k[1])
+        )
+        for config, seed, preset in order:
+            e = evals[config, seed, preset]
             for step, r in sorted(e.items()):
                 w.writerow(
                     [
                         config,
                         seed,
+                        preset,
                         step,
                         _c(r["greedy"]),
                         _c(r["sampled"]),
@@ -603,10 +639,11 @@ def write_csvs(docs: Path, evals: dict, steps: dict) -> None:
                 )
     with open(docs / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["config", "seed", "step", *STEP_COLUMNS])
-        for (config, seed), rows in sorted(steps.items()):
+        w.writerow(["config", "seed", "preset", "step", *STEP_COLUMNS])
+        for (config, seed, preset), rows in sorted(steps.items(), key=lambda kv: kv[0][2]):
             for r in rows:
-                w.writerow([config, seed, r["step"], *(_c(r.get(k)) for k in STEP_COLUMNS)])
+                cells = (_c(r.get(k)) for k in STEP_COLUMNS)
+                w.writerow([config, seed, preset, r["step"], *cells])
 
 
 def _step_mean(rows: list[dict], key: str, last=LAST_STEPS) -> float | None:
@@ -724,6 +761,48 @@ def summary(evals: dict, steps: dict, unfinished: list[str], finals: dict) -> st
     return "\n".join(lines) + "\n"
 
 
+def at(runs: dict, preset: str) -> dict:
+    """{(config, seed): value} of the runs made at `preset`."""
+    return {(c, s): v for (c, s, p), v in runs.items() if p == preset}
+
+
+def preset_section(evals: dict, steps: dict, first: dict, preset: str) -> list[str]:
+    """summary.md's section for the new cpu preset: each run's gains beside the same config and
+    seed at the first preset, its whole-run peak memory, and PLAN-real's rule on tepo.py."""
+    lines = [
+        "",
+        f"## The cpu preset at {preset} (docs/memory.md)",
+        "",
+        f"The same plans' configs, rerun at the preset chosen by measurement ({preset}; before: "
+        f"{FIRST_PRESET}). A script that stops learning here makes the choice wrong: for seed 1 "
+        f"a gain under {GAIN}; for tepo-len-token over seeds 1-3, PLAN-real's rule as above. "
+        "Peak: the whole run's resident memory, evaluations included (GB of 10^9 bytes).",
+        "",
+        "| config | seed | greedy at steps 0, 15, 30, 45, 60 | gain | gain at "
+        f"{FIRST_PRESET} | peak, GB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for config in PRESET_RUNS:
+        for s in SEEDS:
+            e = evals.get((config, s))
+            if not e:
+                continue
+            greedy = ", ".join(f"{e[k]['greedy']:.3f}" if k in e else "-" for k in (0, *EVAL_STEPS))
+            gain, before = (
+                f"{x[60]['greedy'] - x[0]['greedy']:+.3f}" if x and {0, 60} <= set(x) else "-"
+                for x in (e, first.get((config, s)))
+            )
+            rows = steps.get((config, s), [])
+            peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb") is not None]
+            peak = f"{max(peaks) * 2**20 / 1e9:.2f}" if peaks else "-"
+            lines.append(f"| {config} | {s} | {greedy} | {gain} | {before} | {peak} |")
+    verdict = classify(
+        gains(evals, "tepo-len-token"), statistics.mean(gains(first, "grpo").values())
+    )
+    lines += ["", f"tepo-len-token at {preset}, PLAN-real's rule: {verdict or 'pending'}."]
+    return lines
+
+
 def plot(docs: Path, evals: dict, steps: dict) -> bool:
     try:
         import matplotlib
@@ -789,9 +868,13 @@ def main(argv=None) -> int:
         evals.update(run_evals)  # a run finished here replaces its landed copy
         steps.update(run_steps)
         write_csvs(docs, evals, steps)
-        text = summary(evals, steps, unfinished, tiny_finals(Path(a.tiny)))
+        first, first_steps = at(evals, FIRST_PRESET), at(steps, FIRST_PRESET)
+        text = summary(first, first_steps, unfinished, tiny_finals(Path(a.tiny)))
+        if at(evals, PRESET):
+            new = preset_section(at(evals, PRESET), at(steps, PRESET), first, PRESET)
+            text += "\n".join(new) + "\n"
         (docs / "summary.md").write_text(text)
-        drawn = plot(docs, evals, steps)
+        drawn = plot(docs, first, first_steps)
         print(
             f"wrote {docs / 'summary.md'}, results.csv, steps.csv"
             + (", curves.png" if drawn else "")
