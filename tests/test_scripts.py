@@ -196,9 +196,10 @@ def test_short_seeded_run_learns(name, tmp_path):
     """A short seeded run raises held-out sampled accuracy (256 problems, the same ones whatever
     the seed) by a margin. Measured with these flags (a change of float summation order, such as
     regrouping micro-batches, changes the sampled trajectory, so these move with the code): GRPO
-    0.250 -> 0.297 (step 40) -> 0.391 (step 80); DAPO 0.250 -> 0.352 (step 40); TEPO, at today's
-    clip (3e-4 / 4e-4), 0.250 -> 0.395 (step 40) -> 0.367 (step 80); under the first reading step
-    40 was too close to the margin (0.324), so it runs 80 steps like GRPO."""
+    0.250 -> 0.297 (step 40) -> 0.391 (step 80); DAPO 0.250 -> 0.352 (step 40); TEPO, per-token
+    ratios at 0.2 / 0.28 (the default since 2026-12-06), 0.250 -> 0.359 (step 40) -> 0.449 (step
+    80); under the first reading step 40 was too close to the margin (0.324), so it runs 80 steps
+    like GRPO."""
     steps = {"grpo": 80, "tepo": 80}.get(name, 40)
     mod = importlib.import_module(name)
     mod.main(
