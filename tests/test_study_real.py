@@ -6,6 +6,23 @@ import json
 
 from tools import study_real as sr
 
+# recorded.csv's header
+RECORDED = "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+
+
+def _recorded(docs, configs, greedy=(0.1, 0.1, 0.2, 0.2, 0.3)):
+    """recorded.csv with seeds 1-3 of each config: held-out greedy `greedy` at steps 0-60."""
+    docs.mkdir()
+    (docs / "recorded.csv").write_text(
+        RECORDED
+        + "".join(
+            f"{c},{s},{k},{g},0.05,,,recorded\n"
+            for c in configs
+            for s in (1, 2, 3)
+            for k, g in zip((0, 15, 30, 45, 60), greedy)
+        )
+    )
+
 
 def _run(folder, name, greedy, cut=0.5, finished=True, diag=None):
     """A fake finished run: held-out greedy at steps 0/15/30/45/60, truncated_frac `cut` at every
@@ -65,7 +82,7 @@ def test_the_tool_on_a_study_folder(tmp_path, capsys):
     out, docs = tmp_path / "study", tmp_path / "docs"
     docs.mkdir()
     (docs / "recorded.csv").write_text(
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        RECORDED
         + "".join(
             f"{c},{s},{k},{g},0.05,{cut if k == 60 else ''},,recorded\n"
             for c, gs, cut in (
@@ -114,7 +131,7 @@ def test_landed_runs_outlive_their_run_folder(tmp_path):
     docs, first, second = tmp_path / "docs", tmp_path / "first", tmp_path / "second"
     docs.mkdir()
     (docs / "recorded.csv").write_text(
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        RECORDED
         + "".join(
             f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
             for s in (1, 2, 3)
@@ -145,7 +162,7 @@ def test_one_seed_configs_and_a_moot_cut_off_rule(tmp_path):
     out, docs = tmp_path / "study", tmp_path / "docs"
     docs.mkdir()
     (docs / "recorded.csv").write_text(
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        RECORDED
         + "".join(
             f"grpo,{s},{k},{0.1 + k / 300},,,,recorded\n"
             for s in (1, 2, 3)
@@ -172,7 +189,7 @@ def test_the_length_plan_on_a_study_folder(tmp_path):
     out, docs = tmp_path / "study", tmp_path / "docs"
     docs.mkdir()
     (docs / "recorded.csv").write_text(
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
+        RECORDED
         + "".join(
             f"{c},{s},{k},{g},0.05,{cut if k == 60 else ''},,recorded\n"
             for c, gs, cut in (
@@ -231,15 +248,7 @@ def test_the_clip_plan_on_a_study_folder(tmp_path):
     +0.10 in every seed, learns, stable); tepo-len-ppo is worse (-0.06 in every seed). The decision
     is then one reading for both beds; the clip fractions stand beside the gains."""
     out, docs = tmp_path / "study", tmp_path / "docs"
-    docs.mkdir()
-    (docs / "recorded.csv").write_text(
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
-        + "".join(
-            f"grpo,{s},{k},{g},0.05,,,recorded\n"
-            for s in (1, 2, 3)
-            for k, g in zip((0, 15, 30, 45, 60), (0.1, 0.1, 0.2, 0.2, 0.3))
-        )
-    )
+    _recorded(docs, ("grpo",))
     clip = {"clip_frac": 0.1, "clip_frac_mini1": 0.0, "clip_frac_mini2": 0.2}
     for s in (1, 2, 3):
         _run(out, f"tepo-len-s{s}", (0.1, 0.1, 0.2, 0.2, 0.2), diag={"clip_frac": 0.15})
@@ -279,16 +288,7 @@ def test_runs_at_a_new_preset_keep_apart_from_the_first(tmp_path):
     preset's with the same config and seed, in their own rows and their own section, with their
     whole-run peak memory; the plans' rules read only the first preset's runs."""
     out, docs = tmp_path / "study", tmp_path / "docs"
-    docs.mkdir()
-    (docs / "recorded.csv").write_text(
-        "config,seed,step,greedy_acc,sampled_acc,cut_off_share,greedy_cut_off_share,source\n"
-        + "".join(
-            f"{c},{s},{k},{g},0.05,,,recorded\n"
-            for c in ("grpo", "dapo")
-            for s in (1, 2, 3)
-            for k, g in zip((0, 15, 30, 45, 60), (0.1, 0.1, 0.2, 0.2, 0.3))
-        )
-    )
+    _recorded(docs, ("grpo", "dapo"))
     for s in (1, 2, 3):
         _run(out, f"tepo-len-token-s{s}", (0.1, 0.2, 0.2, 0.3, 0.2), diag={"peak_rss_mb": 2000.0})
     _run(out, "dapo-s1", (0.1, 0.1, 0.1, 0.1, 0.12), diag={"peak_rss_mb": 2861.0})
