@@ -85,20 +85,24 @@ import torch
 from tqdm import tqdm
 
 import common
+import runner
 from common import (
     BUNDLED,
     ROOT,
     TEMPLATES,
-    TINY_MODEL_DIR,
     UserError,
     arg,
     build_prompt,
-    check_model_folder,
     first_line,
     flag,
+    gold_text,
     grade,
-    is_tiny,
     load_problems,
+)
+from runner import (
+    TINY_MODEL_DIR,
+    check_model_folder,
+    is_tiny,
     resolve_device,
     resolve_model_name,
 )
@@ -205,12 +209,11 @@ class Args:
 
 
 def clean_gold(value, benchmark: str) -> str:
-    """Gold answers come as strings, numbers or lists; math-verify wants one LaTeX string."""
+    """A benchmark's gold answer as one LaTeX string: common.gold_text's rule for strings,
+    numbers and lists (the same as in training), then the benchmark's own wrapping removed."""
     if isinstance(value, (list, tuple)):  # olympiadbench: a list, several for multi-answer problems
         return ", ".join(clean_gold(v, benchmark) for v in value)
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:  # 27.0 -> 27
-        value = int(value)  # (not above 2**53, where int() of a float makes up the lost digits)
-    text = str(value).strip()
+    text = gold_text(value, f"benchmark {benchmark!r}") or ""
     if benchmark == "gsm8k":  # a worked solution ending in '#### 1,234'
         text = text.split("####")[-1].strip().replace(",", "")
     while len(text) >= 2 and text[0] == text[-1] == "$":  # olympiadbench writes '$x=3$'
@@ -313,7 +316,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, trust_remote
         else path
     )
     for folder in dict.fromkeys([path, base]):  # weights cut short: one line naming the file
-        damage = common.damaged_weights(Path(folder)) if Path(folder).is_dir() else None
+        damage = runner.damaged_weights(Path(folder)) if Path(folder).is_dir() else None
         if damage:
             raise UserError(f"cannot load model {path!r}: {damage}")
     if adapter.is_file() and base and not Path(base).is_dir():  # adapters on a hub model
@@ -629,9 +632,9 @@ def run_benchmark(
     }
     # The settings reach the disk before any sample does, so that a --resume after a crash can
     # check it continues the same evaluation.
-    common.write_text(result_path, json.dumps(result, indent=2) + "\n")  # whole or not at all
+    runner.write_text(result_path, json.dumps(result, indent=2) + "\n")  # whole or not at all
     # rewritten, whole or not at all: only the rows that still count stay
-    common.write_text(samples_path, "".join(json.dumps(r) + "\n" for r in rows))
+    runner.write_text(samples_path, "".join(json.dumps(r) + "\n" for r in rows))
     done = {(r["idx"], r["sample"]) for r in rows}
     todo = [(i, s) for i in range(len(problems)) for s in range(args.n) if (i, s) not in done]
     if rows:
@@ -675,7 +678,7 @@ def run_benchmark(
                 }
                 rows.append(row)
                 n_tokens, n_correct = n_tokens + n_tok, n_correct + g.correct
-            with common.writing(samples_path.name, samples_path.parent):
+            with runner.writing(samples_path.name, samples_path.parent):
                 f.writelines(json.dumps(r) + "\n" for r in rows[-len(batch) :])
                 f.flush()  # a crash loses at most one batch; --resume picks up from here
             bar.update(len(batch))
@@ -692,7 +695,7 @@ def run_benchmark(
         metrics=compute_metrics(rows, len(problems), args.n, settings["ks"], decoding["greedy"]),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-    common.write_text(result_path, json.dumps(result, indent=2) + "\n")  # a kill keeps the old
+    runner.write_text(result_path, json.dumps(result, indent=2) + "\n")  # a kill keeps the old
     return result
 
 
@@ -707,7 +710,7 @@ def run_checkpoint(model_path: str) -> str:
     is_model = any((folder / f).is_file() for f in ("config.json", "adapter_config.json"))
     if not folder.is_dir() or is_model:
         return model_path
-    whole = common.whole_checkpoints(folder)
+    whole = runner.whole_checkpoints(folder)
     if not whole:
         if (folder / "args.json").is_file() or (folder / "latest").is_file():
             raise UserError(
@@ -715,7 +718,7 @@ def run_checkpoint(model_path: str) -> str:
                 f"to score (its run saves one every --save-every steps)"
             )
         return model_path  # not a run's: check_model_folder says what it lacks
-    ckpt = common.find_checkpoint(folder) if (folder / "latest").is_file() else whole[0]
+    ckpt = runner.find_checkpoint(folder) if (folder / "latest").is_file() else whole[0]
     print(f"{model_path} is a training run folder: scoring its latest whole checkpoint, {ckpt}")
     return str(ckpt)
 
@@ -882,7 +885,7 @@ def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create --output-dir {out_dir}: {first_line(e)}") from None
-    lock = common.lock_run_folder(out_dir, "--output-dir", "--output-dir")  # one eval.py at a time
+    lock = runner.lock_run_folder(out_dir, "--output-dir", "--output-dir")  # one eval.py at a time
     if lock is not None:
         held.callback(lock.close)
     if args.resume:  # all benchmarks are checked before the first one generates, not an hour in
@@ -947,7 +950,7 @@ def _evaluate(args: Args, held: contextlib.ExitStack) -> list[dict]:
     ]
 
     table = markdown_table(results)
-    with common.writing(f"results.{tag}.md", out_dir):
+    with runner.writing(f"results.{tag}.md", out_dir):
         (out_dir / f"results.{tag}.md").write_text(table + "\n")
     print(
         f"\n{model_path} ({tag}, answer extraction {args.answer_extraction}, grader "
@@ -974,7 +977,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
             spelled[spellings[name]] = name
         if name in aliases:
             argv[i] = flag(aliases[name]) + eq + value
-    args = common.parse_args(Args, argv, __doc__)
+    args = runner.parse_args(Args, argv, __doc__)
     args.spelled = spelled
     return args
 
@@ -986,7 +989,7 @@ def typed(args: Args, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with common.user_errors():  # as the training scripts: a UserError is one line, exit 2
+    with runner.user_errors():  # as the training scripts: a UserError is one line, exit 2
         evaluate(args)
     return 0
 

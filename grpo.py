@@ -49,6 +49,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
+import runner
 from common import UserError, arg
 
 ALGO = "grpo"
@@ -75,8 +76,8 @@ PRESETS = common.presets()  # tiny, cpu, gpu: GRPO's are the house's (common.PRE
 
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag not passed, then every flag checked."""
-    common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
-    common.check_args(
+    runner.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
+    runner.check_args(
         args,
         {
             f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
@@ -211,7 +212,7 @@ def grpo_stats(logp, old_logp, ref_logp, advantages, mask, clip_low=0.2, clip_hi
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = common.Run(args, ALGO, resolve_args, needs_reference)  # folder, --resume, GPU cost
+    run = runner.Run(args, ALGO, resolve_args, needs_reference)  # folder, --resume, GPU cost
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
@@ -292,8 +293,8 @@ def train(args: Args) -> dict:
 # ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = common.resolve_model_name(name)
-    common.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
+    path = runner.resolve_model_name(name)
+    runner.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -315,9 +316,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
     script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
     ...) is replaced by a neutral one."""
-    path = common.resolve_model_name(name)
+    path = runner.resolve_model_name(name)
     adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = common.resolve_model_name(args.model) if adapter else path
+    base = runner.resolve_model_name(args.model) if adapter else path
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
@@ -715,8 +716,8 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv, __doc__, PRESETS)
-    with common.user_errors():
+    args = runner.parse_args(Args, argv, __doc__, PRESETS)
+    with runner.user_errors():
         return train(args)
 
 

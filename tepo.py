@@ -51,6 +51,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
+import runner
 from common import UserError, arg
 
 ALGO = "tepo"
@@ -108,10 +109,10 @@ PRESETS = common.presets(gpu=dict(dataset="dapo-math", num_mini_batches=8))
 
 def resolve_args(args: Args) -> Args:
     """The preset's value for every flag not passed, then every flag checked."""
-    common.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
+    runner.resolve_run_args(args, ALGO, PRESETS)  # the run's flags, the batch's shape
     if args.entropy_tol is None:  # TEPO: above the noise of recomputing the same entropies
         args.entropy_tol = 0.05 if args.bf16 else 1e-3
-    common.check_args(
+    runner.check_args(
         args,
         {
             f"--clip-low must be in [0, 1), not {args.clip_low}": 0 <= args.clip_low < 1,
@@ -313,7 +314,7 @@ def tepo_stats(
 # Training loop
 # =====================================================================================
 def train(args: Args) -> dict:
-    run = common.Run(args, ALGO, resolve_args, needs_reference)  # folder, --resume, GPU cost
+    run = runner.Run(args, ALGO, resolve_args, needs_reference)  # folder, --resume, GPU cost
     args, device = run.args, run.device
     tokenizer, ctx = load_tokenizer(args.model, args.trust_remote_code)
     train_rows, eval_rows = load_data(args, tokenizer, ctx)  # a bad dataset fails before a model
@@ -415,8 +416,8 @@ def train(args: Args) -> dict:
 # ----- Model: the tokenizer, the policy (LoRA optional) and the frozen reference -------------
 def load_tokenizer(name: str, trust_remote_code: bool):
     """The tokenizer (left padding: generation appends on the right) and the context length."""
-    path = common.resolve_model_name(name)
-    common.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
+    path = runner.resolve_model_name(name)
+    runner.check_model_folder(path)  # a config and tokenizer files, or one line on what is missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -438,9 +439,9 @@ def load_model(name: str, device: torch.device, args, trainable: bool):
     then be a LoRA checkpoint (adapter_config.json), whose base is --model. Sampling follows this
     script's settings only: the model's own generation_config.json (temperature 0.6, top_k 20,
     ...) is replaced by a neutral one."""
-    path = common.resolve_model_name(name)
+    path = runner.resolve_model_name(name)
     adapter = path if (Path(path) / "adapter_config.json").is_file() else None  # a LoRA checkpoint
-    base = common.resolve_model_name(args.model) if adapter else path
+    base = runner.resolve_model_name(args.model) if adapter else path
     bf16_base = args.lora_rank and args.bf16 and device.type == "cuda"
     dtype = torch.bfloat16 if bf16_base else torch.float32
     try:
@@ -838,8 +839,8 @@ def rollout_metrics(batch, rewards, correct, parsed, entropy, G) -> dict:
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv, __doc__, PRESETS)
-    with common.user_errors():
+    args = runner.parse_args(Args, argv, __doc__, PRESETS)
+    with runner.user_errors():
         return train(args)
 
 

@@ -58,6 +58,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser  # noqa: E402
 
 import common  # noqa: E402
+import runner  # noqa: E402
 import tepo  # noqa: E402
 from integrations.trl_trainers import TEPOConfig, TEPOTrainer  # noqa: E402
 
@@ -170,7 +171,7 @@ def parse(argv=None) -> tuple[ScriptArgs, TEPOConfig]:
     peek.add_argument("--model", default="tiny")
     model = peek.parse_known_args(argv)[0].model
     parser = HfArgumentParser((ScriptArgs, TEPOConfig))
-    tiny = common.is_tiny(model)
+    tiny = runner.is_tiny(model)
     defaults = dict(TINY_DEFAULTS if tiny else REAL_DEFAULTS)
     defaults.setdefault("output_dir", f"runs/trl-tepo-{Path(model).name.lower()}")
     parser.set_defaults(**defaults)
@@ -228,7 +229,7 @@ def lora_config(script: ScriptArgs):
 
 def main(argv=None):
     script, cfg = parse(argv)
-    path = common.resolve_model_name(script.model)
+    path = runner.resolve_model_name(script.model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -258,5 +259,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with common.user_errors():
+    with runner.user_errors():
         main()

@@ -22,10 +22,10 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 
 @pytest.fixture(scope="session")
 def tiny_dir():
-    import common
+    import runner
 
-    assert (common.TINY_MODEL_DIR / "config.json").is_file(), "bundled tiny model is missing"
-    return common.TINY_MODEL_DIR
+    assert (runner.TINY_MODEL_DIR / "config.json").is_file(), "bundled tiny model is missing"
+    return runner.TINY_MODEL_DIR
 
 
 @pytest.fixture

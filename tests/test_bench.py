@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import common
+from tools import cost
+import runner
 from tools import bench
 from common import UserError
 
@@ -175,7 +177,7 @@ def _wrapped(name):
     """What PhaseTimer wraps for a run of <name>.py, as it is now."""
     mod = importlib.import_module(name)
     own = [getattr(mod, f) for f in bench.LAPS if hasattr(mod, f)]
-    return own + [common.optimizer_step, common.Run.steps, common.Run.end_step]
+    return own + [common.optimizer_step, runner.Run.steps, runner.Run.end_step]
 
 
 def test_a_failing_run_restores_the_functions():
@@ -330,7 +332,7 @@ def test_real_run_estimate_on_a_toy_model():
     """1e9 parameters, no embedding, one layer with one KV head of size 1 (4 bytes of K and V per
     token in bf16), 1 GB/s and 1e11 FLOP/s at 50%: every number below by hand."""
     toy = dict(params=1e9, embed=0, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1)
-    e = common.real_run_estimate(
+    e = cost.real_run_estimate(
         P=1,
         G=2,
         max_new_tokens=10,
@@ -352,7 +354,7 @@ def test_real_run_estimate_on_a_toy_model():
     assert e["train_s"] == pytest.approx(6 * (20 * 2e9 + 10 * 2) / 5e10)
     assert e["tokens_per_s"] == pytest.approx(10 / (e["generate_s"] + e["train_s"]))
     # launch-bound: a faster memory changes nothing; a critic adds 5 passes
-    fast = common.real_run_estimate(
+    fast = cost.real_run_estimate(
         P=1,
         G=2,
         max_new_tokens=10,
@@ -363,7 +365,7 @@ def test_real_run_estimate_on_a_toy_model():
         launch_s=0.02,
     )
     assert fast["decode_step_s"] == 0.02 and fast["generate_s"] == pytest.approx(0.2)
-    critic = common.real_run_estimate(
+    critic = cost.real_run_estimate(
         P=1,
         G=2,
         max_new_tokens=10,
@@ -377,7 +379,7 @@ def test_real_run_estimate_on_a_toy_model():
     )
     assert critic["train_s"] == pytest.approx(11 * (20 * 2e9 + 10 * 2) / 5e10)
     # GRPO's preset on an A100 80GB, Qwen2.5-Math-1.5B: 256 completions in 4 generate() calls
-    e = common.real_run_estimate(P=32, G=8, model=bench.QWEN_MATH_1_5B)
+    e = cost.real_run_estimate(P=32, G=8, model=bench.QWEN_MATH_1_5B)
     assert (e["generate_calls"], round(1e3 * e["memory_step_s"], 1), e["generate_s"]) == (
         4,
         6.1,
@@ -393,9 +395,9 @@ def test_the_estimate_asks_each_script_whether_it_loads_a_reference(monkeypatch)
 
     monkeypatch.setattr(grpo, "needs_reference", lambda args: False)
     row = next(r for r in bench.estimate_report().splitlines() if r.startswith("| grpo | "))
-    full, lora = (common.memory_estimate(False, r, model=bench.QWEN_MATH_1_5B) for r in (0, 64))
+    full, lora = (cost.memory_estimate(False, r, model=bench.QWEN_MATH_1_5B) for r in (0, 64))
     assert f"**{full['peak'] / 1e9:.1f}** | " in row and f"**{lora['peak'] / 1e9:.1f}** | " in row
-    shown = common.memory_estimate(True, 0, model=bench.QWEN_MATH_1_5B)["peak"]
+    shown = cost.memory_estimate(True, 0, model=bench.QWEN_MATH_1_5B)["peak"]
     assert shown != full["peak"]  # it would have shown
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import runner
 from tools import make_data
 
 
@@ -78,9 +79,9 @@ def test_prompt_sampler_resumes_exactly():
     assert a.take(9) == b.take(9)
     other = [{**r, "answer": "0"} if i == 3 else r for i, r in enumerate(rows)]
     with pytest.raises(common.UserError, match="fingerprint"):  # the same count, other rows
-        common.PromptSampler(other, seed=5).load_state_dict(a.state_dict())
+        runner.check_sampler(common.PromptSampler(other, seed=5), a.state_dict())
     with pytest.raises(common.UserError, match="it has 6 rows now, the run had 7"):
-        common.PromptSampler(rows[:6], seed=5).load_state_dict(a.state_dict())
+        runner.check_sampler(common.PromptSampler(rows[:6], seed=5), a.state_dict())
 
 
 @pytest.mark.parametrize(
@@ -110,26 +111,26 @@ def test_checkpoint_is_atomic_and_pointer_moves_last(tmp_path, tiny_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    common.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
+    runner.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1}, keep=2)
     # a crash while writing step 2 leaves a temporary folder behind: the run resumes from step 1
     (tmp_path / ".tmp-checkpoint-2").mkdir()
-    assert common.find_checkpoint(tmp_path).name == "checkpoint-1"
+    assert runner.find_checkpoint(tmp_path).name == "checkpoint-1"
     for step in (2, 3):
-        common.save_checkpoint(
+        runner.save_checkpoint(
             tmp_path, step, {"": model}, tok, {"step": step, "t": torch.ones(2)}, keep=2
         )
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    ck = common.find_checkpoint(tmp_path)
-    assert ck.name == "checkpoint-3" and common.load_trainer_state(ck)["step"] == 3
+    ck = runner.find_checkpoint(tmp_path)
+    assert ck.name == "checkpoint-3" and runner.load_trainer_state(ck)["step"] == 3
     assert not list(tmp_path.glob(".tmp-checkpoint-3"))
 
 
 def test_resolve_model_names(tmp_path):
-    assert common.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
-    assert common.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
-    assert common.resolve_model_name(str(tmp_path)) == str(tmp_path)
-    assert common.is_tiny("tiny") and not common.is_tiny("Qwen2.5-Math-1.5B")
+    assert runner.resolve_model_name("Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert runner.resolve_model_name("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert runner.resolve_model_name(str(tmp_path)) == str(tmp_path)
+    assert runner.is_tiny("tiny") and not runner.is_tiny("Qwen2.5-Math-1.5B")
     with pytest.raises(common.UserError):
-        common.resolve_model_name("NoSuchThing")
+        runner.resolve_model_name("NoSuchThing")
     with pytest.raises(common.UserError):
-        common.resolve_model_name("./missing/folder")
+        runner.resolve_model_name("./missing/folder")

@@ -1,4 +1,4 @@
-"""The pre-run cost check (common.check_cost, issue 53): on CUDA a run prints the memory and time
+"""The pre-run cost check (cost.check_cost, issue 53): on CUDA a run prints the memory and time
 it expects, the figures of docs/memory.md and docs/speed.md from the same function, and a run the
 GPU cannot hold stops before any model loads, in one line naming the flag that would make it fit.
 No GPU here: the device's size is faked."""
@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import common
+import runner
+from tools import cost
 from tools.bench import QWEN_MATH_1_5B
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +33,7 @@ def gpu_args(name: str, **flags):
 
 def printed(capsys, name: str, total: float = 85e9, gpu: str = "NVIDIA A100-SXM4-80GB", **flags):
     args, critic, ref = gpu_args(name, **flags)
-    common.check_cost(args, QWEN, critic, ref, int(total), gpu)
+    cost.check_cost(args, QWEN, critic, ref, int(total), gpu)
     return capsys.readouterr().out
 
 
@@ -63,7 +65,7 @@ def test_the_printed_estimate_is_the_docs_figure(capsys):
 def test_a_run_too_big_for_the_gpu_is_one_line_naming_the_flag(name, total, flags, fix):
     args, critic, ref = gpu_args(name, **flags)
     with pytest.raises(common.UserError) as e:
-        common.check_cost(args, QWEN, critic, ref, int(total), "NVIDIA A100-SXM4-80GB")
+        cost.check_cost(args, QWEN, critic, ref, int(total), "NVIDIA A100-SXM4-80GB")
     message = str(e.value)
     assert "\n" not in message and fix in message, message
     assert f"the GPU has {total / 1e9:.1f} GB" in message
@@ -78,7 +80,7 @@ def qwen_folder(tmp_path):
     from tools.build_rehearsal import CONFIG
 
     folder = tmp_path / "qwen-config"
-    shutil.copytree(common.TINY_MODEL_DIR, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(runner.TINY_MODEL_DIR, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     q = QWEN_MATH_1_5B
     sizes = dict(hidden_size=q["hidden"], intermediate_size=q["intermediate"])
     sizes |= dict(num_hidden_layers=q["layers"], num_attention_heads=q["heads"])
@@ -87,7 +89,7 @@ def qwen_folder(tmp_path):
 
 
 def test_the_shapes_come_from_the_models_config(qwen_folder):
-    shapes = common.model_shapes(str(qwen_folder))
+    shapes = cost.model_shapes(str(qwen_folder))
     assert {k: v for k, v in shapes.items() if k != "params"} == {
         k: v for k, v in QWEN.items() if k != "params"
     }

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import common
+import runner
 import grpo
 import tepo
 from tools import diagnostics
@@ -88,7 +88,7 @@ def test_clip_split_by_sign_and_by_cut_off_by_hand():
 def _rows(run_dir):
     return [
         {k: v for k, v in r.items() if not (k.startswith("time") or k == "tokens_per_s")}
-        for r in common.read_metrics(run_dir)
+        for r in runner.read_metrics(run_dir)
     ]
 
 
@@ -112,10 +112,10 @@ def test_a_diagnosed_run_learns_exactly_what_a_plain_run_learns(tmp_path):
     ]
     tepo.main([*flags, "--run-name", "plain"])
     wrapped = ("reward_fn", "group_advantages", "token_logps", "tepo_loss")
-    originals = [getattr(tepo, f) for f in wrapped] + [common.Run.end_step]
+    originals = [getattr(tepo, f) for f in wrapped] + [runner.Run.end_step]
     diagnostics.main(["tepo.py", *flags, "--run-name", "diagnosed"])
     # the originals are back afterwards
-    assert [getattr(tepo, f) for f in wrapped] + [common.Run.end_step] == originals
+    assert [getattr(tepo, f) for f in wrapped] + [runner.Run.end_step] == originals
     plain, diagnosed = _rows(tmp_path / "plain"), _rows(tmp_path / "diagnosed")
     added = {
         "right_cut_off_frac",

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-import common
+import runner
 import erpo
 import grpo
 
@@ -48,7 +48,7 @@ ERPO_METRICS = (
 def _weights(run_dir):
     from safetensors.torch import load_file
 
-    ckpt = common.find_checkpoint(run_dir)
+    ckpt = runner.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / "model.safetensors"))
 
 
@@ -86,7 +86,7 @@ def test_smoke_two_steps_then_resume_exactly_with_erpo_metrics_and_samples(tmp_p
     ckpt_b, wb = _weights(tmp_path / "b")
     assert ckpt_a.name == ckpt_b.name == "checkpoint-3"
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "resume did not continue exactly"
-    rows = common.read_metrics(tmp_path / "a")
+    rows = runner.read_metrics(tmp_path / "a")
     assert "eval/greedy_acc" in rows[0] and "eval/sampled_acc" in rows[-1]
     for row in rows[1:]:  # every training step logs ERPO's statistics
         for key in ERPO_METRICS:
@@ -94,7 +94,7 @@ def test_smoke_two_steps_then_resume_exactly_with_erpo_metrics_and_samples(tmp_p
         assert 0 < row["gate_mean"] < 1
         assert 0 <= row["gate_high_frac"] <= 1
         assert 0 <= row["sign_flip_frac"] <= 1
-    assert rows[-1]["loss"] == common.read_metrics(tmp_path / "b")[-1]["loss"]
+    assert rows[-1]["loss"] == runner.read_metrics(tmp_path / "b")[-1]["loss"]
     # the progress signal s = old_logp - ref_logp is exactly 0 before the first update, then not
     step = {r["step"]: r for r in rows}
     assert step[1]["psi_abs_mean"] == 0 and step[2]["psi_abs_mean"] > 0
@@ -130,7 +130,7 @@ def test_both_synthesis_modes_train_and_additive_with_eta_zero_is_grpo(tmp_path)
     w = {name: _weights(tmp_path / name)[1] for name in ("grpo", "additive0", "gated", "additive")}
     from transformers import AutoModelForCausalLM
 
-    w0 = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR).state_dict()
+    w0 = AutoModelForCausalLM.from_pretrained(runner.TINY_MODEL_DIR).state_dict()
 
     def same(a, b, atol):
         return all(torch.allclose(a[k], b[k], atol=atol, rtol=0) for k in a)
@@ -139,7 +139,7 @@ def test_both_synthesis_modes_train_and_additive_with_eta_zero_is_grpo(tmp_path)
     assert same(w["additive0"], w["grpo"], 1e-7)
     assert not same(w["gated"], w["grpo"], 1e-6) and not same(w["additive"], w["grpo"], 1e-6)
     assert not same(w["gated"], w["additive"], 1e-6), "--synthesis changed nothing"
-    rows = {name: common.read_metrics(tmp_path / name)[-1] for name in w}
+    rows = {name: runner.read_metrics(tmp_path / name)[-1] for name in w}
     assert rows["grpo"]["reward"] == rows["additive0"]["reward"]
     assert abs(rows["grpo"]["loss"] - rows["additive0"]["loss"]) < 1e-7
     assert rows["additive0"]["adv_token_std"] < 1e-6 and rows["additive0"]["sign_flip_frac"] == 0
@@ -190,7 +190,7 @@ def test_short_seeded_run_learns(tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
+    evals = [r for r in runner.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 80
     assert last >= first + 0.10, (first, last)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+import runner  # noqa: E402
 import eval as ev  # noqa: E402  (eval.py; the module name only shadows the builtin inside `ev.`)
 from common import UserError, grade  # noqa: E402
 
@@ -340,8 +341,8 @@ def build_random_model(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    if (common.TINY_MODEL_DIR / "config.json").is_file():
-        return common.TINY_MODEL_DIR
+    if (runner.TINY_MODEL_DIR / "config.json").is_file():
+        return runner.TINY_MODEL_DIR
     return build_random_model(tmp_path_factory.mktemp("model") / "random-tiny")
 
 
@@ -593,7 +594,7 @@ def test_context_length_and_argument_errors(model_dir, tmp_path):
 
 
 @pytest.mark.skipif(
-    not (common.TINY_MODEL_DIR / "config.json").is_file(), reason="bundled tiny model not built"
+    not (runner.TINY_MODEL_DIR / "config.json").is_file(), reason="bundled tiny model not built"
 )
 def test_defaults_for_the_bundled_tiny_model(tmp_path, one_thread):
     assert ev.main(["--limit", "8", "--device", "cpu", "--output-dir", str(tmp_path)]) == 0
@@ -1101,12 +1102,12 @@ def test_output_dir_that_cannot_be_made(model_dir, tmp_path, monkeypatch):
 # one line each, before any work
 # =====================================================================================
 needs_tiny = pytest.mark.skipif(
-    not (common.TINY_MODEL_DIR / "config.json").is_file(), reason="bundled tiny model not built"
+    not (runner.TINY_MODEL_DIR / "config.json").is_file(), reason="bundled tiny model not built"
 )
 
 
 def copy_of_tiny(path: Path) -> Path:
-    shutil.copytree(common.TINY_MODEL_DIR, path, ignore=shutil.ignore_patterns("build.py"))
+    shutil.copytree(runner.TINY_MODEL_DIR, path, ignore=shutil.ignore_patterns("build.py"))
     return path
 
 
@@ -1169,10 +1170,10 @@ def test_a_training_run_folder_scores_its_latest_whole_checkpoint(
         f"error: {run} is a training run folder with no whole checkpoint yet: nothing to score "
         f"(its run saves one every --save-every steps)"
     )
-    model = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR)
-    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(runner.TINY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR)
     for step in (1, 2):  # as a training run saves them
-        common.save_checkpoint(run, step, {"": model}, tok, {"step": step})
+        runner.save_checkpoint(run, step, {"": model}, tok, {"step": step})
     monkeypatch.setattr(ev, "generate", constant_generate())
     for out, scored in ((tmp_path / "e1", "checkpoint-2"), (tmp_path / "e2", "checkpoint-1")):
         capsys.readouterr()
@@ -1329,8 +1330,8 @@ def test_help_says_each_default_once(capsys):
 
 def test_errors_take_the_scripts_one_line_path(tmp_path, monkeypatch, one_line_error):
     entered = []
-    real = common.user_errors
-    monkeypatch.setattr(common, "user_errors", lambda: entered.append(1) or real())
+    real = runner.user_errors
+    monkeypatch.setattr(runner, "user_errors", lambda: entered.append(1) or real())
     err = one_line_error(ev.main, ["--benchmarks", "math501", "--output-dir", str(tmp_path)])
     assert entered and err.startswith("error: unknown benchmark 'math501'")
 
@@ -1362,7 +1363,7 @@ def test_one_output_dir_holds_one_evaluation_at_a_time_and_one_model(
     monkeypatch.setattr(ev, "generate", constant_generate())
     out = tmp_path / "out"
     out.mkdir()
-    held = common.lock_run_folder(out, "--output-dir", "--output-dir")  # as another eval.py
+    held = runner.lock_run_folder(out, "--output-dir", "--output-dir")  # as another eval.py
     try:
         err = one_line_error(ev.main, tiny_argv(model_dir, out))
     finally:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["grpo", "dapo", "tepo"]
@@ -108,8 +109,8 @@ def test_nan_loss_skips_every_update_and_logs_strict_json(tmp_path, monkeypatch,
     row = _strict_rows(tmp_path / "nan")[-1]
     assert row["skipped_updates"] == 2 and row["loss"] is None  # NaN is logged as null
     assert "update skipped" in capsys.readouterr().err
-    w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    w1 = load_file(str(common.find_checkpoint(tmp_path / "nan") / "model.safetensors"))
+    w0 = load_file(str(runner.TINY_MODEL_DIR / "model.safetensors"))
+    w1 = load_file(str(runner.find_checkpoint(tmp_path / "nan") / "model.safetensors"))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
@@ -122,7 +123,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, tiny_dir):
     run.models, run.tokenizer, run.stateful, run.dir = {"": model}, tok, {}, tmp_path
     next(model.parameters()).data[0] = float("nan")
     with pytest.raises(common.UserError, match="not finite"):
-        common.Run.save(run, 3)
+        runner.Run.save(run, 3)
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
@@ -134,19 +135,19 @@ def test_a_policy_that_blows_up_is_one_line_naming_the_last_checkpoint(tmp_path,
 
     argv = ["--steps", "4", "--save-every", "1", "--lr", "1e30", "--output-dir", str(tmp_path)]
     err = _error_of(grpo, capsys, [*argv, "--run-name", "b", *SMALL])
-    last = common.find_checkpoint(tmp_path / "b")
-    step = common.load_trainer_state(last)["step"]
+    last = runner.find_checkpoint(tmp_path / "b")
+    step = runner.load_trainer_state(last)["step"]
     assert err.startswith(f"error: the policy blew up at step {step + 1}: "), err
     assert "next-token probabilities are inf or nan" in err and "--lr 1e+30" in err, err
     assert f"the last checkpoint saved, whole, is {last} (step {step})" in err, err
     # any other RuntimeError is no blow-up, and keeps its traceback
     with pytest.raises(RuntimeError, match="probability"):
-        with common.user_errors():
+        with runner.user_errors():
             raise RuntimeError("probability of something else")
 
 
 def test_logger_keeps_small_floats_and_writes_null_for_nan(tmp_path):
-    log = common.RunLogger(tmp_path, tensorboard=False)
+    log = runner.RunLogger(tmp_path, tensorboard=False)
     log.log(1, {"lr": 5e-7, "x": float("nan"), "y": float("inf"), "n": 3, "z": 0.123456789})
     log.close()
     row = _strict_rows(tmp_path)[0]
@@ -169,11 +170,11 @@ def test_existing_run_folder_is_refused_and_resume_writes_where_pointed(tmp_path
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == before  # untouched
     shutil.copytree(tmp_path / "b", tmp_path / "copy")
     grpo.main(["--resume", str(tmp_path / "copy"), "--steps", "3"])
-    assert common.find_checkpoint(tmp_path / "copy").name == "checkpoint-3"
+    assert runner.find_checkpoint(tmp_path / "copy").name == "checkpoint-3"
     # the original is untouched
-    assert common.find_checkpoint(tmp_path / "b").name == "checkpoint-2"
+    assert runner.find_checkpoint(tmp_path / "b").name == "checkpoint-2"
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == before
-    assert [r["step"] for r in common.read_metrics(tmp_path / "copy")] == [1, 2, 3]
+    assert [r["step"] for r in runner.read_metrics(tmp_path / "copy")] == [1, 2, 3]
     # a failed resume leaves the run's arguments alone
     args_before = (tmp_path / "b" / "args.json").read_text()
     err = _error_of(
@@ -205,7 +206,7 @@ def test_resume_after_a_crash_cuts_metrics_back_to_the_checkpoint(tmp_path):
     (run / "latest").write_text("checkpoint-2\n")
     (run / ".tmp-checkpoint-3").mkdir()  # and a half-written folder left behind
     grpo.main(["--resume", str(run), "--steps", "4"])
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2, 3, 4]
     assert not list(run.glob(".tmp-checkpoint-*"))
 
 
@@ -239,16 +240,16 @@ def test_resave_of_a_step_never_leaves_latest_dangling(tmp_path, tiny_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    common.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
-    common.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2})
+    runner.save_checkpoint(tmp_path, 1, {"": model}, tok, {"step": 1})
+    runner.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 2})
     # a kill between moving the old checkpoint-2 aside and renaming the new one into place:
     (tmp_path / "checkpoint-2").rename(tmp_path / ".trash-checkpoint-2")
     # latest's target is gone: the newest whole one
-    assert common.find_checkpoint(tmp_path).name == "checkpoint-1"
-    common.clean_leftovers(tmp_path)  # on resume: the old folder is put back
-    assert common.find_checkpoint(tmp_path).name == "checkpoint-2"
-    common.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 22})  # a normal re-save
-    assert common.load_trainer_state(common.find_checkpoint(tmp_path))["step"] == 22
+    assert runner.find_checkpoint(tmp_path).name == "checkpoint-1"
+    runner.clean_leftovers(tmp_path)  # on resume: the old folder is put back
+    assert runner.find_checkpoint(tmp_path).name == "checkpoint-2"
+    runner.save_checkpoint(tmp_path, 2, {"": model}, tok, {"step": 22})  # a normal re-save
+    assert runner.load_trainer_state(runner.find_checkpoint(tmp_path))["step"] == 22
     assert not list(tmp_path.glob(".trash-*")) and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -282,8 +283,8 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 143, out[-2000:]
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = common.find_checkpoint(run)
-    assert common.load_trainer_state(ckpt)["step"] == common.read_metrics(run)[-1]["step"] >= 1
+    ckpt = runner.find_checkpoint(run)
+    assert runner.load_trainer_state(ckpt)["step"] == runner.read_metrics(run)[-1]["step"] >= 1
 
 
 # ------------------------------------------------------ 3. one-line errors, before any model loads
@@ -416,7 +417,7 @@ def test_a_hub_model_in_the_cache_loads_offline_and_out_of_reach_says_how(tmp_pa
     """The check of a hub name passes a model in the local cache on to from_pretrained when
     offline; out of the hub's reach it names the cached copy and how to load it."""
     repo = tmp_path / "hf" / "hub" / "models--local--tiny"
-    shutil.copytree(common.TINY_MODEL_DIR, repo / "snapshots" / "0")
+    shutil.copytree(runner.TINY_MODEL_DIR, repo / "snapshots" / "0")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0")
     argv = ["--model", "local/tiny", "--preset", "tiny", "--steps", "1", *SMALL]
@@ -440,10 +441,10 @@ def test_a_local_folder_never_asks_the_hub(monkeypatch):
 
     asked = []
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(common, "hub_unreachable", lambda: asked.append(1))
-    common.check_model_folder(str(common.TINY_MODEL_DIR))
+    monkeypatch.setattr(runner, "hub_unreachable", lambda: asked.append(1))
+    runner.check_model_folder(str(runner.TINY_MODEL_DIR))
     assert asked == []
-    common.check_model_folder("Qwen/Qwen2.5-Math-1.5B")  # online, in reach: passed on
+    runner.check_model_folder("Qwen/Qwen2.5-Math-1.5B")  # online, in reach: passed on
     assert asked == [1]
 
 
@@ -451,7 +452,7 @@ def test_truncated_weights_on_resume_are_a_clear_error(tmp_path, capsys):
     import grpo
 
     grpo.main(["--steps", "1", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL])
-    weights = common.find_checkpoint(tmp_path / "t") / "model.safetensors"
+    weights = runner.find_checkpoint(tmp_path / "t") / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     err = _error_of(grpo, capsys, ["--resume", str(tmp_path / "t"), "--steps", "2"])
     assert err.startswith(
@@ -514,7 +515,7 @@ def test_grades_that_run_out_of_time_are_counted_in_each_step(tmp_path, monkeypa
     monkeypatch.setattr(common, "grade", slow_every_8th)
     argv = ["--steps", "2", "--output-dir", str(tmp_path), "--run-name", "t", *SMALL]
     grpo.main([*argv, "--eval-dataset", "tiny", "--eval-n", "4", "--eval-every", "2"])
-    rows = common.read_metrics(tmp_path / "t")  # grades: 8 at step 0, then 16 and 16 + 8
+    rows = runner.read_metrics(tmp_path / "t")  # grades: 8 at step 0, then 16 and 16 + 8
     assert [r.get("grader_timeouts") for r in rows] == [None, 2, 2]
     assert [r.get("eval/grader_timeouts") for r in rows] == [1, None, 1]
     assert capsys.readouterr().err.count("ran out of --grader-timeout (5 s)") == 1
@@ -590,7 +591,7 @@ def test_dapo_math_keeps_a_held_out_evaluation(name, tmp_path):
 def skewed_tiny(tmp_path):
     """The tiny model with a generation_config.json that would reshape sampling if merged."""
     path = tmp_path / "skewed"
-    shutil.copytree(common.TINY_MODEL_DIR, path, ignore=shutil.ignore_patterns("build.py"))
+    shutil.copytree(runner.TINY_MODEL_DIR, path, ignore=shutil.ignore_patterns("build.py"))
     cfg = json.loads((path / "generation_config.json").read_text())
     cfg.update(
         do_sample=True, temperature=0.6, top_k=20, top_p=0.9, repetition_penalty=1.5, min_p=0.2

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+import runner
 import eval as ev
 import grpo
 import tepo
@@ -50,7 +51,7 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(
     assert "--lr 0.5 (the run has 0.0002)" in err and "--steps" in err  # names what may change
     err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "2", "--group-size", "4"])
     assert "--group-size 4 (the run has 2)" in err
-    assert [r["step"] for r in common.read_metrics(run)] == [1]  # nothing ran, nothing was lost
+    assert [r["step"] for r in runner.read_metrics(run)] == [1]  # nothing ran, nothing was lost
     # the same value as saved is not a change; RESUMABLE flags are applied
     grpo.main(
         [
@@ -66,18 +67,18 @@ def test_a_changed_flag_on_resume_is_one_line_naming_it_and_its_saved_value(
             "cpu",
         ]
     )
-    state = common.load_trainer_state(common.find_checkpoint(run))
+    state = runner.load_trainer_state(runner.find_checkpoint(run))
     assert state["step"] == 2 and state["args"]["save_every"] == 5 and state["args"]["lr"] == 2e-4
 
 
 def test_changed_flags_compares_given_flags_only():
     saved = grpo.Args(lr=2e-4, steps=3, group_size=2, model="tiny")
-    assert common.changed_flags(grpo.Args(), saved) == []  # nothing given
+    assert runner.changed_flags(grpo.Args(), saved) == []  # nothing given
     # resumable
-    assert common.changed_flags(grpo.Args(steps=9, device="cpu"), saved) == []
+    assert runner.changed_flags(grpo.Args(steps=9, device="cpu"), saved) == []
     # equal to the saved value
-    assert common.changed_flags(grpo.Args(lr=2e-4), saved) == []
-    assert common.changed_flags(grpo.Args(kl_coef=0.0, lr=1e-3), saved) == [
+    assert runner.changed_flags(grpo.Args(lr=2e-4), saved) == []
+    assert runner.changed_flags(grpo.Args(kl_coef=0.0, lr=1e-3), saved) == [
         "--lr 0.001 (the run has 0.0002)",
         "--kl-coef 0.0 (the run has 0.04)",
     ]
@@ -89,7 +90,7 @@ def test_a_run_of_another_script_is_refused_on_resume_naming_both(tmp_path, one_
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "g"])
     run = tmp_path / "g"
     assert json.loads((run / "args.json").read_text())["algo"] == "grpo"
-    state = common.load_trainer_state(common.find_checkpoint(run))
+    state = runner.load_trainer_state(runner.find_checkpoint(run))
     assert state["args"]["algo"] == "grpo"
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     for resume in (run, run / "checkpoint-1"):
@@ -105,10 +106,10 @@ def test_a_run_of_another_script_is_refused_on_resume_naming_both(tmp_path, one_
     err = one_line_error(tepo.main, ["--resume", str(tmp_path / "k")])
     assert "is a run of grpo.py, not of tepo.py" in err
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
-    assert not (run / ".lock").exists() and not common._ACTIVE_RUNS
+    assert not (run / ".lock").exists() and not runner._ACTIVE_RUNS
     # the script that made it goes on
     grpo.main(["--resume", str(run), "--steps", "2"])
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2]
 
 
 def test_a_torn_last_line_of_metrics_is_dropped_and_resume_rewrites_the_file(tmp_path, capsys):
@@ -131,7 +132,7 @@ def test_a_torn_last_line_of_metrics_is_dropped_and_resume_rewrites_the_file(tmp
     whole = path.read_text()
     path.write_text(whole + '{"step": 3, "time": 17000, "lo')  # step 3's append, cut short
     capsys.readouterr()
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2]
     err = capsys.readouterr().err
     assert f"warning: {path}, line 3: cut short" in err and "left out" in err
     grpo.main(["--resume", str(run), "--steps", "3"])
@@ -139,7 +140,7 @@ def test_a_torn_last_line_of_metrics_is_dropped_and_resume_rewrites_the_file(tmp
     lines = path.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # every line whole again
     assert path.read_text().startswith(whole)
-    common.read_metrics(run)
+    runner.read_metrics(run)
     assert "cut short" not in capsys.readouterr().err
 
 
@@ -178,7 +179,7 @@ def test_a_second_process_on_a_folder_in_use_gets_one_line(tmp_path, one_line_er
     finally:
         first.kill()  # SIGKILL: no chance to release anything itself
         first.wait()
-    done = common.load_trainer_state(common.find_checkpoint(run))["step"]
+    done = runner.load_trainer_state(runner.find_checkpoint(run))["step"]
     grpo.main(["--resume", str(run), "--steps", str(done + 1)])  # the lock died with the process
 
 
@@ -191,7 +192,7 @@ def test_the_lock_is_released_when_a_run_ends_or_fails_to_start(tmp_path, one_li
     one_line_error(grpo.main, ["--resume", str(tmp_path / "r"), "--lr", "1"])  # fails after locking
     assert not lock.exists()
     grpo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])  # so the folder is free again
-    assert not common._ACTIVE_RUNS and not lock.exists()
+    assert not runner._ACTIVE_RUNS and not lock.exists()
 
 
 def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypatch):
@@ -200,7 +201,7 @@ def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypat
     process finds the folder in use."""
     import fcntl
 
-    first = common.lock_run_folder(tmp_path)
+    first = runner.lock_run_folder(tmp_path)
     real_flock = fcntl.flock
 
     def first_ends_in_between(f, op):  # the second process, between its open and its flock
@@ -209,11 +210,11 @@ def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypat
         return real_flock(f, op)
 
     monkeypatch.setattr(fcntl, "flock", first_ends_in_between)
-    second = common.lock_run_folder(tmp_path)
+    second = runner.lock_run_folder(tmp_path)
     try:
         assert os.path.samestat(os.fstat(second.file.fileno()), os.stat(tmp_path / ".lock"))
         with pytest.raises(UserError, match=f"in use by process {os.getpid()}"):
-            common.lock_run_folder(tmp_path)  # the third
+            runner.lock_run_folder(tmp_path)  # the third
     finally:
         second.close()
     assert not (tmp_path / ".lock").exists()
@@ -260,8 +261,8 @@ def test_sighup_finishes_the_step_saves_and_exits_129(tmp_path):
     assert "SIGHUP: finishing this step, then saving a checkpoint" in out, out[-2000:]
     assert f"continue with: python grpo.py --resume {run}" in out
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = common.find_checkpoint(run)
-    assert common.load_trainer_state(ckpt)["step"] == common.read_metrics(run)[-1]["step"] >= 1
+    ckpt = runner.find_checkpoint(run)
+    assert runner.load_trainer_state(ckpt)["step"] == runner.read_metrics(run)[-1]["step"] >= 1
 
 
 # =====================================================================================
@@ -270,7 +271,7 @@ def test_sighup_finishes_the_step_saves_and_exits_129(tmp_path):
 def test_a_model_that_fails_to_load_leaves_no_run_folder(tmp_path, one_line_error):
     """A failed model load left runs/<run>/ with .lock, args.json and an empty metrics.jsonl."""
     broken = tmp_path / "broken"
-    shutil.copytree(common.TINY_MODEL_DIR, broken)
+    shutil.copytree(runner.TINY_MODEL_DIR, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     runs = tmp_path / "runs"
@@ -306,7 +307,7 @@ def test_ctrl_c_while_the_model_loads_stops_at_once_and_leaves_no_folder(
     assert e.value.code == 130
     printed = capsys.readouterr()
     assert "Ctrl-C: stopped before the first step; nothing was saved" in printed.out + printed.err
-    assert not (tmp_path / "c").exists() and not common._ACTIVE_RUNS
+    assert not (tmp_path / "c").exists() and not runner._ACTIVE_RUNS
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -317,14 +318,14 @@ def _tiny_model_and_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return (
-        AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR),
-        AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR),
+        AutoModelForCausalLM.from_pretrained(runner.TINY_MODEL_DIR),
+        AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR),
     )
 
 
 def _assert_previous_checkpoint_intact(run_dir: Path, step: int):
     assert (run_dir / "latest").read_text().strip() == f"checkpoint-{step}"
-    assert common.load_trainer_state(common.find_checkpoint(run_dir))["step"] == step
+    assert runner.load_trainer_state(runner.find_checkpoint(run_dir))["step"] == step
     assert not list(run_dir.glob(".tmp-checkpoint-*")) and not list(run_dir.glob(".trash-*"))
 
 
@@ -332,7 +333,7 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
     tmp_path, monkeypatch
 ):
     model, tok = _tiny_model_and_tokenizer()
-    common.save_checkpoint(
+    runner.save_checkpoint(
         tmp_path, 1, {"": model}, tok, {"step": 1}, {"optimizer": {"m": torch.ones(10)}}
     )
 
@@ -346,7 +347,7 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
 
     monkeypatch.setattr(type(model), "save_pretrained", full)
     with pytest.raises(UserError) as e:
-        common.save_checkpoint(
+        runner.save_checkpoint(
             tmp_path, 2, {"": model}, tok, {"step": 2}, {"optimizer": {"m": torch.ones(10)}}
         )
     msg = str(e.value)
@@ -359,7 +360,7 @@ def test_a_write_error_while_saving_is_one_line_and_keeps_the_previous_checkpoin
 
 
 def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
-    log = common.RunLogger(tmp_path, tensorboard=False)
+    log = runner.RunLogger(tmp_path, tensorboard=False)
     monkeypatch.setattr(log, "file", _Full())
     with pytest.raises(
         UserError, match=r"cannot write step 3 to metrics.jsonl in .*No space left on device"
@@ -367,7 +368,7 @@ def test_every_harness_write_is_one_line(tmp_path, monkeypatch):
         log.log(3, {"loss": 1.0})
     monkeypatch.setattr(Path, "write_text", _Full().write)
     with pytest.raises(UserError, match=r"cannot write summary.json in .*No space left on device"):
-        common.write_text(tmp_path / "summary.json", "{}")
+        runner.write_text(tmp_path / "summary.json", "{}")
 
 
 class _Full:
@@ -434,7 +435,7 @@ def no_tokenizer(tmp_path):
     folder = tmp_path / "copied"
     folder.mkdir()
     for f in ("config.json", "generation_config.json", "model.safetensors"):
-        shutil.copy(common.TINY_MODEL_DIR / f, folder / f)
+        shutil.copy(runner.TINY_MODEL_DIR / f, folder / f)
     return folder
 
 
@@ -460,7 +461,7 @@ def _stopped_before_its_first_checkpoint(argv):
         raise RuntimeError("killed")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common.Run, "end_step", killed)
+        mp.setattr(runner.Run, "end_step", killed)
         with pytest.raises(RuntimeError, match="killed"):
             grpo.main(argv)
 
@@ -469,7 +470,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, caps
     argv = [*FAST, "--steps", "2", "--output-dir", str(tmp_path), "--run-name", "k"]
     _stopped_before_its_first_checkpoint(argv)
     run = tmp_path / "k"
-    assert [r["step"] for r in common.read_metrics(run)] == [1]
+    assert [r["step"] for r in runner.read_metrics(run)] == [1]
     assert not (run / ".lock").exists()  # an exception ends it too
     assert not list(run.glob("checkpoint-*"))
     err = one_line_error(grpo.main, argv)  # the same command again: it names the one that works
@@ -477,10 +478,10 @@ def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tmp_path, caps
     grpo.main(["--resume", str(run)])
     assert "starting it again from step 0 with its saved arguments" in capsys.readouterr().out
     grpo.main([*argv[:-1], "u"])  # the same run, never stopped
-    rows, whole = common.read_metrics(run), common.read_metrics(tmp_path / "u")
+    rows, whole = runner.read_metrics(run), runner.read_metrics(tmp_path / "u")
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["loss"] for r in rows] == [r["loss"] for r in whole]
-    assert common.find_checkpoint(run).name == "checkpoint-2"
+    assert runner.find_checkpoint(run).name == "checkpoint-2"
 
 
 def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_error):
@@ -513,10 +514,10 @@ def test_training_data_changed_before_resume_is_one_line(tmp_path, one_line_erro
     write([*rows[:-1], {**rows[-1], "answer": "999"}])  # as many rows, one answer changed
     err = one_line_error(grpo.main, ["--resume", str(run), "--steps", "3"])
     assert "no longer matches the run" in err and "rows differ" in err
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]  # nothing was lost
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2]  # nothing was lost
     write(rows)  # the data the run was trained on: it goes on
     grpo.main(["--resume", str(run), "--steps", "3"])
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3]
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2, 3]
 
 
 def test_the_changed_data_line_names_the_data_set(tmp_path, one_line_error):
@@ -592,9 +593,9 @@ def test_cut_short_adapters_on_resume_name_the_file_and_the_intact_checkpoint(
     first = run / "checkpoint-1"
     assert f"{first}, is intact: continue from it with --resume {first}" in err
     grpo.main(["--resume", str(first), "--steps", "2"])  # as the error says
-    assert common.find_checkpoint(run).name == "checkpoint-2"
-    assert common.damaged_weights(run / "checkpoint-2") is None
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2]
+    assert runner.find_checkpoint(run).name == "checkpoint-2"
+    assert runner.damaged_weights(run / "checkpoint-2") is None
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2]
 
 
 def test_hand_edited_saved_flags_are_checked_as_the_command_line(tmp_path, one_line_error):
@@ -622,7 +623,7 @@ def test_hand_edited_saved_flags_are_checked_as_the_command_line(tmp_path, one_l
             assert err.startswith(f"error: {saved}: "), err
     saved.write_text(json.dumps({**good, "lr": 1}))  # an int for a float, as --lr 1 is
     grpo.main(["--resume", str(tmp_path / "e")])
-    assert common.load_trainer_state(common.find_checkpoint(tmp_path / "e"))["args"]["lr"] == 1.0
+    assert runner.load_trainer_state(runner.find_checkpoint(tmp_path / "e"))["args"]["lr"] == 1.0
 
 
 @pytest.mark.parametrize("at", [2, 1])
@@ -671,5 +672,5 @@ def test_a_second_ctrl_c_while_saving_is_one_line_and_the_checkpoint_stays_whole
     assert not (run / f"checkpoint-{at}").exists()
     monkeypatch.setattr(torch, "save", real_save)
     grpo.main(["--resume", str(run)])
-    assert [r["step"] for r in common.read_metrics(run)] == [1, 2, 3]
-    assert common.find_checkpoint(run).name == "checkpoint-3"
+    assert [r["step"] for r in runner.read_metrics(run)] == [1, 2, 3]
+    assert runner.find_checkpoint(run).name == "checkpoint-3"

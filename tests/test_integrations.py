@@ -24,6 +24,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+import runner  # noqa: E402
 import erpo  # noqa: E402
 import tepo  # noqa: E402
 from integrations import trl_trainers as tt  # noqa: E402
@@ -60,7 +61,7 @@ def _zero_reward(completions, **kwargs):
 
 
 def _tok():
-    return AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    return AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR)
 
 
 def _prompts(tok):
@@ -84,7 +85,7 @@ def prompts(tok):
 
 
 def _trainer(trainer_cls, cfg, tok, prompts):
-    model = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL_DIR, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(runner.TINY_MODEL_DIR, dtype=torch.float64)
     return trainer_cls(
         model=model,
         reward_funcs=_zero_reward,
@@ -561,7 +562,7 @@ def _train_two_steps(trainer_cls, config_cls, tok, prompts, tmp_path):
         learning_rate=1e-3,
     )
     trainer = trainer_cls(
-        model=str(common.TINY_MODEL_DIR),
+        model=str(runner.TINY_MODEL_DIR),
         reward_funcs=_tiebreak_reward,
         args=cfg,
         train_dataset=prompts,
@@ -633,7 +634,7 @@ def test_tepo_trainer_with_a_peft_config_trains_only_the_adapters(tok, prompts, 
         learning_rate=1e-2,
     )
     trainer = tt.TEPOTrainer(
-        model=str(common.TINY_MODEL_DIR),
+        model=str(runner.TINY_MODEL_DIR),
         reward_funcs=_tiebreak_reward,
         args=cfg,
         train_dataset=prompts,

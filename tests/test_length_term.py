@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-import common
+import runner
 
 FOUR = ("grpo", "tepo", "erpo", "sapo")
 
@@ -149,6 +149,6 @@ def test_a_run_with_the_length_term(name, tmp_path):
             *small,
         ]
     )
-    row = common.read_metrics(tmp_path / "len")[-1]
+    row = runner.read_metrics(tmp_path / "len")[-1]
     assert row["reward"] <= row["accuracy"]
     assert (row["reward"] < row["accuracy"]) == (row["completion_len_max"] > 10)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import common
+import runner
 import eval as ev
 import grpo
 from common import UserError
@@ -102,15 +103,15 @@ def test_kl_is_exactly_zero_at_step_0_and_the_reference_is_the_base(bf16):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_an_update_changes_only_the_adapters(name, tmp_path, monkeypatch):
     mod = importlib.import_module(name)
-    seen, end_step = {}, common.Run.end_step
+    seen, end_step = {}, runner.Run.end_step
 
     def grab(run, step, metrics):  # the policy as the step leaves it
         seen["policy"] = run.models[""]
         return end_step(run, step, metrics)
 
-    monkeypatch.setattr(common.Run, "end_step", grab)
+    monkeypatch.setattr(runner.Run, "end_step", grab)
     mod.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "r"])
-    base = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
+    base = load_file(str(runner.TINY_MODEL_DIR / "model.safetensors"))
     state = {
         k.replace("base_model.model.", "").replace(".base_layer", ""): v
         for k, v in seen["policy"].state_dict().items()
@@ -120,7 +121,7 @@ def test_an_update_changes_only_the_adapters(name, tmp_path, monkeypatch):
     assert sum(k in state for k in base) >= len(base) - 1  # (a tied output layer may be absent)
     moved = [k for k, v in state.items() if "lora_B" in k and v.abs().sum() > 0]
     assert moved, "no adapter moved"
-    ckpt = common.find_checkpoint(tmp_path / "r")
+    ckpt = runner.find_checkpoint(tmp_path / "r")
     assert (ckpt / "adapter_config.json").is_file()
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert not (ckpt / "model.safetensors").exists()  # adapters only, not the full weights
@@ -136,11 +137,11 @@ def test_lora_resume_is_exact(tmp_path):
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "b"])
     grpo.main(["--resume", str(tmp_path / "b"), "--steps", "2"])
     wa, wb = (
-        load_file(str(common.find_checkpoint(tmp_path / r) / "adapter_model.safetensors"))
+        load_file(str(runner.find_checkpoint(tmp_path / r) / "adapter_model.safetensors"))
         for r in "ab"
     )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    ra, rb = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
+    ra, rb = runner.read_metrics(tmp_path / "a"), runner.read_metrics(tmp_path / "b")
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
 
 
@@ -148,9 +149,9 @@ def test_eval_and_the_merged_export_read_an_adapter_checkpoint(tmp_path):
     grpo.main(
         [*FAST, "--steps", "2", "--lr", "0.05", "--output-dir", str(tmp_path), "--run-name", "a"]
     )
-    ckpt = common.find_checkpoint(tmp_path / "a")
+    ckpt = runner.find_checkpoint(tmp_path / "a")
     assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
-        common.TINY_MODEL_DIR.resolve()
+        runner.TINY_MODEL_DIR.resolve()
     )  # a full path: found from any folder
     merged = export_merged.export_merged(str(ckpt), str(tmp_path / "merged"))
     plain = AutoModelForCausalLM.from_pretrained(merged)  # an ordinary model folder
@@ -212,7 +213,7 @@ def test_bad_lora_input_is_one_line(tmp_path, monkeypatch, one_line_error):
     grpo.main([*FAST, "--steps", "1", *out, "--run-name", "c"])
     err = one_line_error(grpo.main, ["--resume", str(tmp_path / "c"), "--lora-rank", "8"])
     assert "--lora-rank 8 (the run has 4)" in err
-    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None)
     err = one_line_error(grpo.main, [*FAST, *out, "--run-name", "d"])
     assert "--lora-rank needs peft: pip install peft" in err
 
@@ -222,9 +223,9 @@ def test_the_lora_learning_rate_comes_from_the_preset():
     assert _args().lr == grpo.PRESETS["tiny"]["lora_lr"] == 5 * grpo.Args().lr
     assert _args(lr=3e-3).lr == 3e-3  # an lr given wins
     # ... even one given at the default's value: the preset changes only the flags not passed
-    given = common.parse_args(grpo.Args, ["--lora-rank", "4", "--lr", "2e-4", "--device", "cpu"])
+    given = runner.parse_args(grpo.Args, ["--lora-rank", "4", "--lr", "2e-4", "--device", "cpu"])
     assert given.given >= {"lr", "lora_rank"} and grpo.resolve_args(given).lr == 2e-4
-    not_given = common.parse_args(grpo.Args, ["--lora-rank", "4", "--device", "cpu"])
+    not_given = runner.parse_args(grpo.Args, ["--lora-rank", "4", "--device", "cpu"])
     assert grpo.resolve_args(not_given).lr == grpo.PRESETS["tiny"]["lora_lr"]
     assert grpo.PRESETS["gpu"]["lora_lr"] == pytest.approx(10 * grpo.PRESETS["gpu"]["lr"])
 
@@ -256,7 +257,7 @@ def test_short_seeded_lora_run_learns(tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
+    evals = [r for r in runner.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 80
     assert last >= first + 0.07, (first, last)
@@ -285,7 +286,7 @@ def test_an_export_that_fails_midway_leaves_no_half_written_folder(tmp_path, mon
     from transformers import AutoTokenizer
 
     grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "a"])
-    ckpt, out = common.find_checkpoint(tmp_path / "a"), tmp_path / "merged"
+    ckpt, out = runner.find_checkpoint(tmp_path / "a"), tmp_path / "merged"
 
     class FullDisk:
         def save_pretrained(self, path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import runner
 import grpo
 import tepo
 from common import UserError
@@ -84,7 +85,7 @@ def test_the_words_dataset_in_the_scripts_and_eval():
 def test_the_chat_template_uses_the_models_own_chat_template():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR)
     text = common.build_prompt(tok, "Tom has 3 apples.", "chat")
     assert text == tok.apply_chat_template(
         [
@@ -111,7 +112,7 @@ def real_llama(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("llama")
-    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR)
     cfg = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=32,
@@ -147,9 +148,9 @@ def test_the_preset_is_picked_by_model_and_device(mod, real_llama, monkeypatch):
     # --lora-rank 0 given: full fine-tuning at the preset's lr (the preset fills only the flags
     # not passed, even where the value passed is the default's)
     argv = ["--model", str(real_llama), "--device", "cpu", "--run-name", "x", "--lora-rank", "0"]
-    full = mod.resolve_args(common.parse_args(mod.Args, argv))
+    full = mod.resolve_args(runner.parse_args(mod.Args, argv))
     assert (full.preset, full.lora_rank, full.lr) == ("cpu", 0, mod.PRESETS["cpu"]["lr"])
-    assert mod.resolve_args(common.parse_args(mod.Args, argv[:-2])).lora_rank == 16
+    assert mod.resolve_args(runner.parse_args(mod.Args, argv[:-2])).lora_rank == 16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: the real run's preset
     gpu = resolved(model=str(real_llama), device="auto")
     assert (gpu.preset, gpu.max_new_tokens, gpu.lora_rank, gpu.lr) == ("gpu", 3000, 0, 1e-6)
@@ -207,9 +208,9 @@ def test_a_real_architecture_trains_on_the_cpu_preset(real_llama, tmp_path):
     tepo.main(["--resume", str(tmp_path / "r"), "--steps", "2"])
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert (args["preset"], args["dataset"], args["lora_rank"]) == ("cpu", "words", 16)
-    rows = common.read_metrics(tmp_path / "r")
+    rows = runner.read_metrics(tmp_path / "r")
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/greedy_acc" in rows[-1]
-    assert (common.find_checkpoint(tmp_path / "r") / "adapter_config.json").is_file()
+    assert (runner.find_checkpoint(tmp_path / "r") / "adapter_config.json").is_file()
 
 
 # =====================================================================================
@@ -236,5 +237,5 @@ def test_smollm2_learns_on_the_cpu_preset(name, tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/greedy_acc" in r]
+    evals = [r for r in runner.read_metrics(tmp_path / "learn") if "eval/greedy_acc" in r]
     assert evals[-1]["eval/greedy_acc"] >= evals[0]["eval/greedy_acc"] + 0.10, evals

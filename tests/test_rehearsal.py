@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+import runner
 import tepo
 from tools import build_rehearsal
 
@@ -57,7 +58,7 @@ def test_the_model_has_qwen25_math_tokenizer_template_and_config(model):
     config = json.loads((model / "config.json").read_text())
     assert config["vocab_size"] == 151936 and config["tie_word_embeddings"]
     assert config["rope_parameters"]["rope_theta"] == 10000 and config["num_hidden_layers"] == 2
-    policy = tepo.load_model(str(model), common.resolve_device("cpu"), _args(), trainable=False)
+    policy = tepo.load_model(str(model), runner.resolve_device("cpu"), _args(), trainable=False)
     assert tepo.eos_token_ids(policy, tokenizer) == [151643, 151645]
 
 
@@ -105,11 +106,11 @@ def test_tepo_gpu_preset_runs_resumes_and_is_evaluated(model, tmp_path):
     kept = {k: v for k, v in tepo.PRESETS["gpu"].items() if k not in small}
     assert kept["dataset"] == "dapo-math" and kept["template"] == "qwen_math"
     assert saved["preset"] == "gpu" and {k: saved[k] for k in kept} == kept  # the preset's own
-    rows = common.read_metrics(run)
+    rows = runner.read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 2 by the resumed process
     assert rows[1]["completions"] == rows[2]["completions"] == 4
     assert "eval/greedy_acc" in rows[0] and "eval/greedy_acc" in rows[2]
-    assert [p.name for p in common.whole_checkpoints(run)] == ["checkpoint-2", "checkpoint-1"]
+    assert [p.name for p in runner.whole_checkpoints(run)] == ["checkpoint-2", "checkpoint-1"]
     samples = (run / "samples" / "step-1.html").read_text()
     assert "&lt;|im_start|&gt;system\nPlease reason step by step" in samples
     result = json.loads((tmp_path / "eval" / "tepo" / "math500.greedy.json").read_text())

@@ -4,7 +4,7 @@ coloured by each algorithm quantity, every value on hover, and the right tokens 
 import re
 from html.parser import HTMLParser
 
-import common
+import runner
 
 
 class Spans(HTMLParser):
@@ -52,7 +52,7 @@ def test_renderer_colours_each_quantity_and_escapes_text(tmp_path):
         }
     ]
     path = tmp_path / "s.html"
-    path.write_text(common.token_html("t", rows))
+    path.write_text(runner.token_html("t", rows))
     p = _parse(path)
     assert p.external == []  # self-contained: no network
     # escaped in the file, text again when parsed

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import runner
 import sapo
 
 SMALL = [
@@ -71,7 +72,7 @@ def _args(**kw):
 
 
 def _weights(run_dir, sub=""):
-    ckpt = common.find_checkpoint(run_dir)
+    ckpt = runner.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / sub / "model.safetensors"))
 
 
@@ -94,7 +95,7 @@ def test_critic_head_starts_at_zero_has_no_dropout_and_round_trips(tiny, tmp_pat
     assert head and all(torch.equal(p, torch.zeros_like(p)) for p in head)
     assert all(m.p == 0.0 for m in critic.modules() if isinstance(m, torch.nn.Dropout))
     # the base model is the policy's starting model, untouched
-    policy_w = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
+    policy_w = load_file(str(runner.TINY_MODEL_DIR / "model.safetensors"))
     base = {
         n: p for n, p in critic.named_parameters() if n.startswith(critic.base_model_prefix + ".")
     }
@@ -199,7 +200,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     )
     ckpt_b2, _ = _weights(tmp_path / "b")
     assert ckpt_b2.name == "checkpoint-2" and (ckpt_b2 / "critic" / "model.safetensors").is_file()
-    assert "critic_optimizer" in common.load_trainer_state(ckpt_b2, "optimizer.pt")
+    assert "critic_optimizer" in runner.load_trainer_state(ckpt_b2, "optimizer.pt")
     sapo.main(["--resume", str(tmp_path / "b"), "--steps", "3"])
     for sub in ("", "critic"):
         ckpt_a, wa = _weights(tmp_path / "a", sub)
@@ -211,7 +212,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     _, w_critic = _weights(tmp_path / "a", "critic")
     # the head learned
     assert any(w.abs().sum() > 0 for k, w in w_critic.items() if k.startswith("score."))
-    rows_a, rows_b = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
+    rows_a, rows_b = runner.read_metrics(tmp_path / "a"), runner.read_metrics(tmp_path / "b")
     assert rows_a[-1]["reward"] == rows_b[-1]["reward"] and rows_a[-1]["loss"] == rows_b[-1]["loss"]
     assert rows_a[-1]["value_loss"] == rows_b[-1]["value_loss"]
     for key in METRICS:
@@ -228,7 +229,7 @@ def test_smoke_two_steps_then_resume_exactly(tmp_path):
     # the checkpoint is an ordinary Hugging Face folder, its critic one too
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    ckpt = common.find_checkpoint(tmp_path / "a")
+    ckpt = runner.find_checkpoint(tmp_path / "a")
     AutoModelForCausalLM.from_pretrained(ckpt)
     assert AutoModelForTokenClassification.from_pretrained(ckpt / "critic").config.num_labels == 1
 
@@ -249,7 +250,7 @@ def test_flag_variants_run(flags, tmp_path):
             *flags,
         ]
     )
-    row = common.read_metrics(tmp_path / "v")[-1]
+    row = runner.read_metrics(tmp_path / "v")[-1]
     assert row["value_loss"] > 0 and row["segments_per_completion"] >= 1
     assert ("kl" in row) == ("--kl-coef" not in flags)  # no reference model, no KL in the reward
     saved = json.loads((tmp_path / "v" / "args.json").read_text())
@@ -260,7 +261,7 @@ def _local_model(path, vocab, hidden):
     """A random one-layer Qwen2 with the tiny tokenizer (vocab None: the tokenizer's size)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR)
     cfg = Qwen2Config(
         vocab_size=vocab or len(tok),
         hidden_size=hidden,
@@ -297,7 +298,7 @@ def test_critic_from_another_local_model(tmp_path):
             *SMALL,
         ]
     )
-    ckpt = common.find_checkpoint(tmp_path / "c")
+    ckpt = runner.find_checkpoint(tmp_path / "c")
     assert json.loads((ckpt / "critic" / "config.json").read_text())["hidden_size"] == 32
     assert json.loads((ckpt / "config.json").read_text())["hidden_size"] == 128
     w = load_file(str(ckpt / "critic" / "model.safetensors"))
@@ -305,7 +306,7 @@ def test_critic_from_another_local_model(tmp_path):
     changed = [k for k in start if k in w and not torch.equal(w[k], start[k])]
     # the critic's base was trained (from step 2 on: at step 1 the zero head passes no gradient)
     assert changed
-    assert "explained_var" in common.read_metrics(tmp_path / "c")[-1]
+    assert "explained_var" in runner.read_metrics(tmp_path / "c")[-1]
 
 
 # ------------------------------------------------------------------ clear errors
@@ -399,7 +400,7 @@ def test_short_seeded_run_learns(tmp_path):
             "learn",
         ]
     )
-    rows = common.read_metrics(tmp_path / "learn")
+    rows = runner.read_metrics(tmp_path / "learn")
     evals = [r for r in rows if "eval/sampled_acc" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]

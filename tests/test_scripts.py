@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import runner
 
 SCRIPTS = ["grpo", "dapo", "tepo"]
 SMALL = [
@@ -64,7 +65,7 @@ EXTRA_METRICS = {
 def _weights(run_dir):
     from safetensors.torch import load_file
 
-    ckpt = common.find_checkpoint(run_dir)
+    ckpt = runner.find_checkpoint(run_dir)
     return ckpt, load_file(str(ckpt / "model.safetensors"))
 
 
@@ -106,7 +107,7 @@ def test_smoke_two_steps_then_resume_exactly(name, tmp_path):
     ckpt_b, wb = _weights(tmp_path / "b")
     assert ckpt_a.name == ckpt_b.name == "checkpoint-3"
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "resume did not continue exactly"
-    rows_a, rows_b = common.read_metrics(tmp_path / "a"), common.read_metrics(tmp_path / "b")
+    rows_a, rows_b = runner.read_metrics(tmp_path / "a"), runner.read_metrics(tmp_path / "b")
     assert rows_a[-1]["reward"] == rows_b[-1]["reward"] and rows_a[-1]["loss"] == rows_b[-1]["loss"]
     for key in COMMON_METRICS + EXTRA_METRICS[name]:
         assert key in rows_a[-1], key
@@ -188,7 +189,7 @@ def test_local_dataset_file_trains(tmp_path):
             *SMALL,
         ]
     )
-    assert common.read_metrics(tmp_path / "local")[-1]["step"] == 1
+    assert runner.read_metrics(tmp_path / "local")[-1]["step"] == 1
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -222,7 +223,7 @@ def test_short_seeded_run_learns(name, tmp_path):
             "learn",
         ]
     )
-    evals = [r for r in common.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
+    evals = [r for r in runner.read_metrics(tmp_path / "learn") if "eval/sampled_acc" in r]
     first, last = evals[0]["eval/sampled_acc"], evals[-1]["eval/sampled_acc"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps
     assert last >= first + 0.07, (first, last)
@@ -268,9 +269,9 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:]
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = common.find_checkpoint(run)
-    state = common.load_trainer_state(ckpt)
-    last_logged = common.read_metrics(run)[-1]["step"]
+    ckpt = runner.find_checkpoint(run)
+    state = runner.load_trainer_state(ckpt)
+    last_logged = runner.read_metrics(run)[-1]["step"]
     assert state["step"] == last_logged == int(ckpt.name.split("-")[1]) >= 1
 
 
@@ -300,7 +301,7 @@ def test_tepo_flag_variants_run(flags, tmp_path):
             *flags,
         ]
     )
-    row = common.read_metrics(tmp_path / "v")[-1]
+    row = runner.read_metrics(tmp_path / "v")[-1]
     assert 0.0 <= row["mask_frac"] <= 1.0 and row["seq_ratio_min"] <= row["seq_ratio_max"]
 
 
@@ -346,11 +347,11 @@ def test_dapo_with_no_mixed_group_skips_the_update(tmp_path, capsys):
     )
     text = (tmp_path / "z" / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    row = common.read_metrics(tmp_path / "z")[-1]
+    row = runner.read_metrics(tmp_path / "z")[-1]
     assert row["kept_groups"] == 0 and row["gen_rounds"] == 2 and row["dropped_groups"] == 8
     assert "round limit" in capsys.readouterr().out
-    before = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
-    after = load_file(str(common.find_checkpoint(tmp_path / "z") / "model.safetensors"))
+    before = load_file(str(runner.TINY_MODEL_DIR / "model.safetensors"))
+    after = load_file(str(runner.find_checkpoint(tmp_path / "z") / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -361,7 +362,7 @@ def local_real_model(tmp_path_factory):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     path = tmp_path_factory.mktemp("real")
-    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(runner.TINY_MODEL_DIR)
     cfg = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=32,
@@ -423,7 +424,7 @@ def test_real_preset_on_a_local_model(local_real_model, tmp_path, capsys):
     )
     args = json.loads((tmp_path / "r" / "args.json").read_text())
     assert args["lr"] == 1e-6 and args["template"] == "qwen_math" and args["max_new_tokens"] == 8
-    assert common.read_metrics(tmp_path / "r")[-1]["step"] == 1
+    assert runner.read_metrics(tmp_path / "r")[-1]["step"] == 1
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -452,9 +453,9 @@ def test_micro_batch_size_does_not_change_the_update(name, tmp_path):
     ]
     for mb in ("16", "6"):  # 6 splits 16 rows unevenly (6, 6, 4)
         mod.main([*base, "--micro-batch-size", mb, "--run-name", f"mb{mb}"])
-    w16 = load_file(str(common.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
-    w6 = load_file(str(common.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
-    w0 = load_file(str(common.TINY_MODEL_DIR / "model.safetensors"))
+    w16 = load_file(str(runner.find_checkpoint(tmp_path / "mb16") / "model.safetensors"))
+    w6 = load_file(str(runner.find_checkpoint(tmp_path / "mb6") / "model.safetensors"))
+    w0 = load_file(str(runner.TINY_MODEL_DIR / "model.safetensors"))
     assert any(not torch.equal(w0[k], w16[k]) for k in w0)  # the step did update the model
     # Float noise only: Adam's first step is about lr x sign(g), so an element whose gradient is
     # near Adam's eps moves a little differently when the summation order changes (measured: at

@@ -1,10 +1,11 @@
 """The algorithm scripts repeat one skeleton on purpose, below one banner, so `diff grpo.py
 tepo.py` shows the algorithm and nothing else: that block must be the same text in every script.
 Above it each script holds its lesson (flags, reward, advantage, loss, train) and nothing of the
-skeleton's, in the pipeline's order: the loss before train(). No script imports another, and
-common is the only module of this repository a script (or eval.py) imports: eval.py holds its own
-copy of the skeleton's functions it uses, the same text. No test counts lines: a file's length is
-for its reader to judge (lines stay within 100 columns: ruff, in CI)."""
+skeleton's, in the pipeline's order: the loss before train(). No script imports another;
+common (what the RL step reads) and runner (the run's machinery) are the only modules of this
+repository a script (or eval.py) imports, and common imports none: eval.py holds its own copy of
+the skeleton's functions it uses, the same text. No test counts lines: a file's length is for its
+reader to judge (lines stay within 100 columns: ruff, in CI)."""
 
 import ast
 from pathlib import Path
@@ -48,10 +49,12 @@ SKELETON = (
     "rollout_metrics",
     "main",
 )
-# every module of this repository a script could import: its top-level files and packages, and
-# the two modules common.py replaced (a stale copy of either on disk must not be picked up)
+# every module of this repository a script could import: its top-level files and packages, its
+# folders (tools/, integrations/: namespace packages), and the two modules common.py replaced (a
+# stale copy of either on disk must not be picked up)
 LOCAL = {p.stem for p in ROOT.glob("*.py")} | {"harness", "tasks"}
-LOCAL |= {p.parent.name for p in ROOT.glob("*/__init__.py")}
+LOCAL |= {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+SHARED = {"common", "runner"}  # the two modules a script may import
 # the skeleton's functions eval.py uses, copied: the same text as in the scripts
 EVAL_SHARES = ("eos_token_ids", "completion_mask", "decode_completions")
 
@@ -104,9 +107,9 @@ def test_no_script_imports_another(script):
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
-def test_common_is_the_only_local_module_a_script_imports(script):
+def test_common_and_runner_are_the_only_local_modules_a_script_imports(script):
     local = imported_modules(ROOT / script) & LOCAL
-    assert local == {"common"}, f"{script} imports {sorted(local - {'common'})} beside common"
+    assert local == SHARED, f"{script} imports {sorted(local - SHARED)} beside common and runner"
 
 
 def test_harness_and_tasks_are_gone():
@@ -115,8 +118,26 @@ def test_harness_and_tasks_are_gone():
 
 
 def test_common_imports_no_local_module():
-    # common.py is the run's plumbing: no script, no tool, nothing of this repository
+    # common.py is what the RL step reads: no script, no tool, not runner, nothing of this repo
     assert not imported_modules(ROOT / "common.py") & LOCAL
+
+
+def test_runner_imports_only_common():
+    # the run's machinery may use common; on CUDA it loads tools/cost.py's estimate by its path
+    assert imported_modules(ROOT / "runner.py") & LOCAL == {"common"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_lesson_touches_the_runner_at_its_edges(script):
+    # runner's names a script uses: the run (Run, parse_args, user_errors), the flag checks, the
+    # model's name and folder; at most 8
+    text = (ROOT / script).read_text()
+    used = {
+        n.attr
+        for n in ast.walk(ast.parse(text))
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "runner"
+    }
+    assert len(used) <= 8, f"{script} uses {len(used)} names of runner: {sorted(used)}"
 
 
 def calls(tree: ast.AST) -> list[ast.Call]:

@@ -597,7 +597,7 @@ def test_one_config_name_per_run():
     import dataclasses
     import importlib
 
-    import common
+    import runner
 
     seen = {}
     for name, (script, flags) in study.CONFIGS.items():
@@ -606,9 +606,9 @@ def test_one_config_name_per_run():
         Args = importlib.import_module(script).Args
         if name in study.RETIRED:  # retired because the script no longer takes its flags
             with pytest.raises(SystemExit):
-                common.parse_args(Args, flags)
+                runner.parse_args(Args, flags)
             continue
-        args = common.parse_args(Args, flags)
+        args = runner.parse_args(Args, flags)
         run = (script, dataclasses.astuple(args))
         assert run not in seen, f"configs {seen.get(run)!r} and {name!r} are one run"
         seen[run] = name

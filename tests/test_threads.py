@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import grpo
-import common
+import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--eval-dataset", "none"]
@@ -78,7 +78,7 @@ def test_the_run_says_its_threads_first_and_records_them(tmp_path, capsys, monke
         assert "grpo: 2 torch threads on cpu" in capsys.readouterr().out
         grpo.main(["--resume", str(tmp_path / "r"), "--steps", "3", "--threads", "1"])
         assert "grpo: 1 torch thread on cpu" in capsys.readouterr().out
-        assert common.read_metrics(tmp_path / "r")[-1]["step"] == 3
+        assert runner.read_metrics(tmp_path / "r")[-1]["step"] == 3
     finally:
         torch.set_num_threads(before)
 

@@ -74,7 +74,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-from common import GPUS, UserError, arg, memory_estimate, real_run_estimate  # noqa: E402
+import runner  # noqa: E402
+from common import UserError, arg  # noqa: E402
+from tools.cost import GPUS, memory_estimate, real_run_estimate  # noqa: E402
 from tools.diagnostics import patched  # noqa: E402
 from tools.study import script_available  # noqa: E402
 
@@ -173,7 +175,7 @@ def resolve_scripts(names: str | None) -> list[str]:
 
 def check(args: Args) -> None:
     """Every flag is checked before anything loads."""
-    common.check_args(
+    runner.check_args(
         args,
         {
             f"--steps must be at least 1, not {args.steps}": args.steps >= 1,
@@ -198,7 +200,7 @@ def check(args: Args) -> None:
         raise UserError(f"--curve-script {args.curve_script}: its file does not define train()")
     for name in ("curve_max_new_tokens", "curve_group_sizes", "curve_prompts"):
         int_list(getattr(args, name), "--" + name.replace("_", "-"))
-    common.resolve_device(args.device)
+    runner.resolve_device(args.device)
 
 
 # =====================================================================================
@@ -221,7 +223,7 @@ def machine(args: Args) -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count()
-    device = common.resolve_device(args.device)
+    device = runner.resolve_device(args.device)
     return {
         "cpu": cpu_model(),
         "cores": cores,
@@ -300,8 +302,8 @@ class PhaseTimer:
         self.patches = patched(
             *((mod, name, self.timed(phase)) for name, phase in LAPS.items()),
             (common, "optimizer_step", self.timed("update")),
-            (common.Run, "steps", self.steps),
-            (common.Run, "end_step", self.end_step),
+            (runner.Run, "steps", self.steps),
+            (runner.Run, "end_step", self.end_step),
         )
 
     def __enter__(self):
@@ -448,7 +450,7 @@ def run_script(
     with tempfile.TemporaryDirectory() as tmp:
         mod, a = bench_args(name, args, tmp, warmup + steps, **overrides)
         try:
-            with PhaseTimer(mod, common.resolve_device(args.device), hook):
+            with PhaseTimer(mod, runner.resolve_device(args.device), hook):
                 with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
                     mod.train(a)
         except BaseException:
@@ -591,7 +593,7 @@ def profile_script(name: str, args: Args, steps: int) -> str:
     stopped by run_script's on_step); a markdown table by kind of op."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = common.resolve_device(args.device)
+    device = runner.resolve_device(args.device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities, with_flops=True)
@@ -706,7 +708,7 @@ def trl_config_kwargs(a, out_dir: str, rollout_batches: int) -> dict:
         optim="adamw_torch",
         bf16=bool(a.bf16),
         activation_checkpointing=bool(a.gradient_checkpointing),
-        use_cpu=common.resolve_device(a.device).type == "cpu",
+        use_cpu=runner.resolve_device(a.device).type == "cpu",
         max_steps=rollout_batches * a.num_mini_batches * a.ppo_epochs,
         model_init_kwargs={"dtype": "float32"},
         disable_dropout=True,
@@ -839,7 +841,7 @@ def compare_with_trl(args: Args, steps: int) -> dict:
         warnings.simplefilter("ignore", FutureWarning)  # TRL 1.16 on transformers 5's renames
         cfg = GRPOConfig(**trl_config_kwargs(a, tmp, args.warmup + steps))
         trainer = GRPOTrainer(
-            model=common.resolve_model_name(a.model),
+            model=runner.resolve_model_name(a.model),
             reward_funcs=boxed_reward,
             args=cfg,
             train_dataset=dataset,
@@ -847,7 +849,7 @@ def compare_with_trl(args: Args, steps: int) -> dict:
             callbacks=[Interleave()],
         )
         trainer.remove_callback(PrinterCallback)  # its end-of-training dict
-        timer = TRLTimer(trainer, common.resolve_device(a.device))
+        timer = TRLTimer(trainer, runner.resolve_device(a.device))
         probe = rows[0]["prompt"]
         gen = trainer.generation_config
         checks = {
@@ -1216,7 +1218,7 @@ def fresh_run(what: str, cmd: list[str], env: dict, busy: bool = False) -> tuple
             tail = "\n".join((Path(tmp) / "log").read_text().strip().splitlines()[-3:])
             code = os.waitstatus_to_exitcode(status)
             raise UserError(f"{what} failed (exit {code}): {tail}")
-        return common.read_metrics(Path(tmp) / "t"), usage.ru_maxrss
+        return runner.read_metrics(Path(tmp) / "t"), usage.ru_maxrss
 
 
 def step_seconds(cmd: list[str], threads: int, wait: str, busy: bool) -> list[float]:
@@ -1449,8 +1451,8 @@ def run(args: Args) -> dict:
 
 
 def main(argv=None):
-    args = common.parse_args(Args, argv)
-    with common.user_errors():
+    args = runner.parse_args(Args, argv)
+    with runner.user_errors():
         return run(args)
 
 

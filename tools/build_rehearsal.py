@@ -38,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import UserError, first_line, user_errors  # noqa: E402
+from common import UserError, first_line  # noqa: E402
+from runner import user_errors  # noqa: E402
 
 DEFAULT_OUT = ROOT / "models" / "Qwen2.5-Math-rehearsal"
 FIXTURES = ROOT / "tests" / "fixtures" / "hub"  # <org>/<name>/: an excerpt in the hub's layout

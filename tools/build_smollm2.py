@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import UserError, first_line, user_errors  # noqa: E402
+from common import UserError, first_line  # noqa: E402
+from runner import user_errors  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = ROOT / "models" / "SmolLM2-135M-Instruct"

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
+import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
 from tools.study import curve, save_small  # noqa: E402
 
@@ -41,7 +41,7 @@ def load(run_dirs: list[str]) -> dict:
     for d in map(Path, run_dirs):
         if not (d / "metrics.jsonl").is_file():
             raise UserError(f"{d} is not a run folder (no metrics.jsonl)")
-        runs[d.name, 0] = [{**r, "seconds": 0.0} for r in common.read_metrics(d)]
+        runs[d.name, 0] = [{**r, "seconds": 0.0} for r in runner.read_metrics(d)]
     return runs
 
 
@@ -82,8 +82,8 @@ def plot(runs: dict, out: Path, title: str = "") -> None:
 
 
 def main(argv=None) -> int:
-    a = common.parse_args(Args, argv)
-    with common.user_errors():
+    a = runner.parse_args(Args, argv)
+    with runner.user_errors():
         if not a.runs:
             raise UserError("give at least one run folder: --runs runs/a,runs/b")
         plot(load(a.runs.split(",")), Path(a.out), a.title)

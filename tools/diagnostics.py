@@ -6,7 +6,7 @@
 Every flag after the script's name is the script's own. tools/study.py starts (and resumes) each
 of its runs this way. The figures below come from the run's own tensors: for the run, the
 script's functions are wrapped from outside (diagnosed: what reward_fn, the advantage function,
-token_logps and the loss are given or return is read, and common.Run.end_step adds the figures
+token_logps and the loss are given or return is read, and runner.Run.end_step adds the figures
 to the step's metrics), and restored after. A plain `python tepo.py` logs none of them; nothing
 here changes what is learned, and every algorithmic piece is the script's own function.
 
@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+import runner  # noqa: E402
 
 # The function that returns a rollout batch's advantages, by name, and how to read its result
 ADVANTAGES = {
@@ -146,7 +147,7 @@ def patched(*changes):
 
 
 def diagnosed(script):
-    """Within it, `script`'s train() logs the figures: its functions and common.Run.end_step
+    """Within it, `script`'s train() logs the figures: its functions and runner.Run.end_step
     wrapped to read the tensors they are given or return (none is changed)."""
     seen, figures = {}, []
 
@@ -227,7 +228,7 @@ def diagnosed(script):
         (script, "token_logps", token_logps),
         *((script, name, loss) for name in LOSSES),
         (common, "optimizer_step", optimizer_step),
-        (common.Run, "end_step", end_step),
+        (runner.Run, "end_step", end_step),
     )
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import UserError, first_line, user_errors  # noqa: E402
+from common import UserError, first_line  # noqa: E402
+from runner import user_errors  # noqa: E402
 
 
 def export_merged(checkpoint: str, out: str) -> Path:

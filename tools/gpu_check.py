@@ -12,7 +12,7 @@ It prints, in order:
    EOS ids 151643 and 151645) through grpo.py's own train() on the gpu preset, with its
    micro-batch of 4 and every completion forced to 3,000 tokens: seconds per phase (timed from
    outside by tools/bench.py's PhaseTimer) and peak GPU memory, beside the estimate the run
-   prints before it loads (common.run_cost, for the same flags), full fine-tuning and LoRA;
+   prints before it loads (cost.run_cost, for the same flags), full fine-tuning and LoRA;
 3. generate() tokens/s on that model at the gpu preset's 64 rows: the default dynamic cache, and
    a static cache with compiled decoding, beside the estimate's;
 4. eval.py on the tiny model.
@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from tools import cost  # noqa: E402
+import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
@@ -103,7 +105,7 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
 
     from tools.bench import PhaseTimer
 
-    device = common.resolve_device(a.device)
+    device = runner.resolve_device(a.device)
     say("## 1. Every script, tiny model, bf16 autocast, 2 steps\n")
     say(
         "| script | step 1 s | step 2 s | time/generate | time/update | kl or value loss | finite |"
@@ -136,7 +138,7 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
                     name,
                 ]
             )
-        rows = [r for r in common.read_metrics(out / name) if "time/step" in r]
+        rows = [r for r in runner.read_metrics(out / name) if "time/step" in r]
         kl = rows[-1].get("kl", rows[-1].get("value_loss"))  # DAPO has neither: "-"
         finite = all(
             v is not None for r in rows for k, v in r.items() if k in ("loss", "kl", "value_loss")
@@ -182,7 +184,7 @@ def scripts_on_tiny(a: Args, out: Path) -> None:
 def qwen_shaped_model(folder: Path, small: bool) -> tuple[dict, str]:
     """A random model with Qwen2.5-Math-1.5B's config, shapes (or the rehearsal's small ones),
     real tokenizer and chat template (tools/build_rehearsal.py's), saved in bf16; its shapes as
-    the estimates read them (common.model_shapes), and a line on its tokenizer path."""
+    the estimates read them (cost.model_shapes), and a line on its tokenizer path."""
     import grpo
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -213,12 +215,12 @@ def qwen_shaped_model(folder: Path, small: bool) -> tuple[dict, str]:
         f"{len(tokenizer(prompt)['input_ids'])} tokens opening {prompt[:30]!r}, EOS ids "
         f"{grpo.eos_token_ids(model, tokenizer)}"
     )
-    return common.model_shapes(str(folder)), path
+    return cost.model_shapes(str(folder)), path
 
 
 def on_gpu(device: torch.device) -> str:
-    """The GPU of common.GPUS whose figures the estimates take, as the run's own check does."""
-    return common.gpu_of(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    """The GPU of cost.GPUS whose figures the estimates take, as the run's own check does."""
+    return cost.gpu_of(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
 
 
 def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
@@ -244,10 +246,10 @@ def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
             for p in common.load_problems("tiny", "train", limit=64)
         )
     )
-    device = common.resolve_device(a.device)
+    device = runner.resolve_device(a.device)
     gpu = on_gpu(device)
     say(
-        f"\nEstimates: common.run_cost for the same flags, as the run prints them before it "
+        f"\nEstimates: cost.run_cost for the same flags, as the run prints them before it "
         f"loads (an {gpu}'s figures).\n"
     )
     say(
@@ -265,11 +267,11 @@ def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
         argv += ["--max-prompt-tokens", "64", "--lora-rank", str(lora), "--tensorboard", "false"]
         argv += ["--output-dir", str(out), "--run-name", f"shapes-{name}"]
         with quiet():
-            args = grpo.resolve_args(common.parse_args(grpo.Args, argv))
-        memory, t = common.run_cost(args, shape, None, grpo.needs_reference(args), gpu)
+            args = grpo.resolve_args(runner.parse_args(grpo.Args, argv))
+        memory, t = cost.run_cost(args, shape, None, grpo.needs_reference(args), gpu)
         with quiet(), forced_length(grpo), PhaseTimer(grpo, device):
             grpo.main(argv)
-        r = [m for m in common.read_metrics(out / f"shapes-{name}") if "time/step" in m][-1]
+        r = [m for m in runner.read_metrics(out / f"shapes-{name}") if "time/step" in m][-1]
         say(
             f"| {name} | {r['time/generate']:.1f} | {t['generate_s']:.1f} | "
             f"{r['time/old_logp']:.1f} | {r['time/ref_logp']:.1f} | {r['time/update']:.1f} | "
@@ -289,11 +291,11 @@ def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
 def generate_speed(a: Args, folder: Path, shape: dict) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    device = common.resolve_device(a.device)
+    device = runner.resolve_device(a.device)
     rows, new = (8, 16) if a.small else (64, 256)
     say(f"\n## 3. generate() on that model: {rows} rows x {new} forced new tokens, bf16\n")
-    bandwidth, flops = common.GPUS[on_gpu(device)]
-    e = common.real_run_estimate(
+    bandwidth, flops = cost.GPUS[on_gpu(device)]
+    e = cost.real_run_estimate(
         rows, 1, new, rows, prompt_len=24, bandwidth=bandwidth, flops=flops, model=shape
     )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
@@ -359,7 +361,7 @@ def eval_on_device(a: Args, out: Path) -> None:
 
 
 def check(a: Args) -> None:
-    device = common.resolve_device(a.device)
+    device = runner.resolve_device(a.device)
     missing = missing_packages()
     say("# GPU check (tools/gpu_check.py)\n")
     import transformers
@@ -388,8 +390,8 @@ def check(a: Args) -> None:
 
 
 def main(argv=None) -> int:
-    a = common.parse_args(Args, argv)
-    with common.user_errors():  # a UserError: one line, exit 2
+    a = runner.parse_args(Args, argv)
+    with runner.user_errors():  # a UserError: one line, exit 2
         check(a)
     return 0
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
+import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
@@ -68,7 +68,7 @@ def run_script(tree: Path, script: str, out: Path, steps: int) -> list[dict]:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise UserError(f"{script}.py failed in {tree} (exit {done.returncode}):\n{tail}")
     return [
-        {k: v for k, v in r.items() if not timing(k)} for r in common.read_metrics(out / script)
+        {k: v for k, v in r.items() if not timing(k)} for r in runner.read_metrics(out / script)
     ]
 
 
@@ -119,14 +119,14 @@ def compare(base: list[dict], new: list[dict]) -> tuple[list[str], set[str], set
 
 
 def main(argv=None) -> int:
-    args = common.parse_args(Args, argv)
-    with common.user_errors():
+    args = runner.parse_args(Args, argv)
+    with runner.user_errors():
         scripts = [s.strip() for s in args.scripts.split(",") if s.strip()]
         if unknown := [s for s in scripts if s not in SCRIPTS]:
             raise UserError(
                 f"unknown script(s) {', '.join(unknown)}; choose from {', '.join(SCRIPTS)}"
             )
-        common.check_args(args)
+        runner.check_args(args)
         failed = False
         with tempfile.TemporaryDirectory(prefix="same-metrics-") as tmp:
             tmp = Path(tmp)

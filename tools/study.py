@@ -119,7 +119,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
+import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 
@@ -253,7 +253,7 @@ def resolve_seeds(seeds: str) -> list[int]:
 
 
 def check_args(args: Args) -> None:
-    common.check_args(
+    runner.check_args(
         args,
         {
             f"--jobs must be at least 1, not {args.jobs}": args.jobs >= 1,
@@ -263,7 +263,7 @@ def check_args(args: Args) -> None:
             f"--threshold must be in (0, 1], not {args.threshold}": args.threshold is None
             or 0 < args.threshold <= 1,
         },
-    )  # --steps, --eval-every, --eval-n >= 1: checked by name in common.check_args
+    )  # --steps, --eval-every, --eval-n >= 1: checked by name in runner.check_args
 
 
 def run_name(config: str, seed: int) -> str:
@@ -284,7 +284,7 @@ def plan_run(run_dir: Path, steps: int | None) -> str:
         return "resume" if steps is not None and done < steps else "skip"
     if (run_dir / "latest").is_file() or any(run_dir.glob("checkpoint-*/trainer_state.pt")):
         return "resume"
-    return "restart" if run_dir.is_dir() and common.started(run_dir) else "fresh"
+    return "restart" if run_dir.is_dir() and runner.started(run_dir) else "fresh"
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -296,7 +296,7 @@ def move_aside(run_dir: Path) -> Path:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    return int(common.find_checkpoint(run_dir).name.split("-")[-1])
+    return int(runner.find_checkpoint(run_dir).name.split("-")[-1])
 
 
 def read_resumes(path: Path) -> set[int]:
@@ -552,7 +552,7 @@ def load_runs(out: Path, configs: list[str], seeds: list[int]):
                 if run_dir.is_dir():
                     unfinished.append(name)
                 continue
-            rows = common.read_metrics(run_dir)
+            rows = runner.read_metrics(run_dir)
             secs = elapsed_seconds(rows, read_resumes(out / "logs" / f"{name}.resumes"))
             runs[config, seed] = [{**r, "seconds": s} for r, s in zip(rows, secs)]
     return runs, unfinished
@@ -1488,8 +1488,8 @@ def study(args: Args) -> int:
 
 
 def main(argv=None) -> int:
-    args = common.parse_args(Args, argv)
-    with common.user_errors():
+    args = runner.parse_args(Args, argv)
+    with runner.user_errors():
         return study(args)
 
 

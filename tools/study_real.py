@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
+import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
 from tools.study import OLD_NAMES, save_small  # noqa: E402
 
@@ -193,7 +193,7 @@ def read_runs(out: Path) -> tuple[dict, dict, list[str]]:
         if not (d / "summary.json").is_file():
             unfinished.append(d.name)
             continue
-        rows = common.read_metrics(d)
+        rows = runner.read_metrics(d)
         preset = preset_of(d)
         evals[config, int(seed), preset] = evals_of(rows)
         steps[config, int(seed), preset] = [r for r in rows if r["step"] > 0]
@@ -852,8 +852,8 @@ def plot(docs: Path, evals: dict, steps: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    a = common.parse_args(Args, argv)
-    with common.user_errors():
+    a = runner.parse_args(Args, argv)
+    with runner.user_errors():
         docs, out = Path(a.docs), Path(a.out)
         recorded = docs / "recorded.csv"
         if not recorded.is_file():

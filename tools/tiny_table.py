@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
+import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
 
 SCRIPTS = ("grpo", "dapo", "tepo", "erpo", "sapo")
@@ -61,7 +61,7 @@ def run_one(script: str, folder: Path) -> dict:
     start = time.perf_counter()
     subprocess.run([*command, "--run-name", script], check=True, cwd=ROOT)
     wall = time.perf_counter() - start
-    rows = [r for r in common.read_metrics(folder / script) if "eval/greedy_acc" in r]
+    rows = [r for r in runner.read_metrics(folder / script) if "eval/greedy_acc" in r]
     first, last = rows[0], rows[-1]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
@@ -83,8 +83,8 @@ def run_one(script: str, folder: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    a = common.parse_args(Args, argv, __doc__)
-    with common.user_errors():
+    a = runner.parse_args(Args, argv, __doc__)
+    with runner.user_errors():
         scripts = [s.strip() for s in a.scripts.split(",") if s.strip()]
         if not scripts or set(scripts) - set(SCRIPTS):
             raise UserError(f"--scripts takes names from {', '.join(SCRIPTS)}, not {a.scripts!r}")
