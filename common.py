@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import decimal
 import hashlib
 import itertools
 import json
@@ -251,14 +252,16 @@ def gold_text(value, where: str) -> str | None:
     """A gold answer as the text the grader reads, by one rule for every JSON type, in training and
     in eval.py: text stripped; a number as written (27.0 -> "27"); a list as its items joined by
     ", ", as \\boxed{4, 6} answers both; null: no answer (the row is dropped). Refused in one line:
-    true / false, an object, a float that is not finite or may have lost digits (2**53 or more)."""
+    true / false, an object, a float that is not finite or may have lost digits (2**53 or more).
+    A parquet decimal column's values are numbers too: Decimal("12") -> "12"."""
     if value is None or isinstance(value, str):
         return value.strip() if value is not None else None
     if isinstance(value, (list, tuple)):
         return ", ".join(t for v in value if (t := gold_text(v, where))) or None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, decimal.Decimal)):
         raise UserError(f"{where}: the answer {value!r:.60} is not text, a number or a list")
-    if isinstance(value, float) and not (math.isfinite(value) and abs(value) < 2**53):
+    big = isinstance(value, float) and abs(value) >= 2**53  # a Decimal keeps every digit
+    if not isinstance(value, int) and (big or not math.isfinite(value)):
         raise UserError(
             f"{where}: the answer {value!r} is not finite or is a float of 2**53 or more, whose "
             f"last digits may be lost: store answers as text"
@@ -441,7 +444,7 @@ def _parse(text: str, timeout_s: int) -> list:
 
     try:
         return parse(text, parsing_timeout=timeout_s, raise_on_error=True)
-    except Exception as e:
+    except (Exception, TimeoutException) as e:  # TimeoutException is a BaseException
         _TIMEOUTS["calls"] += isinstance(e, TimeoutException)
         return []
 
@@ -456,7 +459,7 @@ def _verify(gold_parsed: list, pred_parsed: list, timeout_s: int) -> bool:
         try:
             if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
                 return True
-        except Exception as e:
+        except (Exception, TimeoutException) as e:
             _TIMEOUTS["calls"] += isinstance(e, TimeoutException)
     return False
 

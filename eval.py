@@ -208,12 +208,12 @@ class Args:
     )
 
 
-def clean_gold(value, benchmark: str) -> str:
+def clean_gold(value, benchmark: str, row: int = 0) -> str:
     """A benchmark's gold answer as one LaTeX string: common.gold_text's rule for strings,
     numbers and lists (the same as in training), then the benchmark's own wrapping removed."""
     if isinstance(value, (list, tuple)):  # olympiadbench: a list, several for multi-answer problems
-        return ", ".join(clean_gold(v, benchmark) for v in value)
-    text = gold_text(value, f"benchmark {benchmark!r}") or ""
+        return ", ".join(clean_gold(v, benchmark, row) for v in value)
+    text = gold_text(value, f"benchmark {benchmark!r}, row {row}") or ""
     if benchmark == "gsm8k":  # a worked solution ending in '#### 1,234'
         text = text.split("####")[-1].strip().replace(",", "")
     while len(text) >= 2 and text[0] == text[-1] == "$":  # olympiadbench writes '$x=3$'
@@ -256,8 +256,8 @@ def load_benchmark(name: str, args: Args) -> tuple[str, str, list[dict]]:
                 f"(columns: {', '.join(ds.column_names)})"
             )
         rows = [
-            {"problem": str(p), "answer": clean_gold(a, name)}
-            for p, a in zip(ds[b.problem_column], ds[b.answer_column])
+            {"problem": str(p), "answer": clean_gold(a, name, n)}
+            for n, (p, a) in enumerate(zip(ds[b.problem_column], ds[b.answer_column]), 1)
         ]
         rows = [r for r in rows if r["problem"].strip() and r["answer"]]
         if not rows:

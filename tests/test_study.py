@@ -609,7 +609,7 @@ def test_one_config_name_per_run():
                 runner.parse_args(Args, flags)
             continue
         args = runner.parse_args(Args, flags)
-        run = (script, dataclasses.astuple(args))
+        run = (script, dataclasses.astuple(args), study.ARMS.get(name))  # an arm: a change too
         assert run not in seen, f"configs {seen.get(run)!r} and {name!r} are one run"
         seen[run] = name
 
@@ -923,3 +923,82 @@ def test_curves_put_baselines_and_tepo_configs_in_separate_panels_and_stay_small
     assert png.stat().st_size < 300_000
     with Image.open(png) as im:
         assert im.mode == "P"  # quantized to a palette by save_small
+
+
+# =====================================================================================
+# docs/study/PLAN-kl-real.md: tepo-len-token without its KL, and with it on every valid token
+# =====================================================================================
+KL0, KLALL = "tepo-len-token-kl0", "tepo-len-token-klall"
+
+
+def test_kl_study_configs_and_how_they_start(tmp_path):
+    base = study.CONFIGS["tepo-len-token"]
+    assert study.CONFIGS[KL0] == ("tepo", [*base[1], "--kl-coef", "0"])  # flags only
+    assert study.CONFIGS[KLALL] == base  # the same flags: the change is made from outside
+    assert list(study.ARMS) == [KLALL]
+    assert study.resolve_runs(f"{KL0}:1,{KLALL}:1") == [(KL0, 1), (KLALL, 1)]
+    out, tepo_py, diag = (
+        tmp_path / "s",
+        str(ROOT / "tepo.py"),
+        str(ROOT / "tools" / "diagnostics.py"),
+    )
+    _fake_checkpoint(out / "runs" / f"{KLALL}-s2", 15)  # a stopped klall run: its resume
+    (out / "logs").mkdir(parents=True)
+    pairs = [(KL0, 1), (KLALL, 1), (KLALL, 2)]
+    kl0, klall, resumed = (j.cmd for j in study.make_jobs(study.Args(), [], [], out, pairs))
+    assert kl0[1:3] == [diag, tepo_py] and kl0[-2:] == ["--kl-coef", "0"]
+    arm = [str(ROOT / "tools" / "study.py"), "--arm", KLALL, tepo_py]
+    assert klall[1:5] == arm and klall[-len(base[1]) :] == base[1]
+    assert resumed[1:] == [*arm, "--resume", str(out / "runs" / f"{KLALL}-s2")]  # still the arm
+    with pytest.raises(UserError, match="--arm CONFIG"):
+        study.run_arm([KL0, tepo_py])  # kl0 is flags, not an arm
+
+
+def test_klall_replaces_the_mask_by_every_valid_token():
+    import torch
+
+    import tepo
+    from tools import diagnostics
+
+    A = torch.tensor([1.0, -1.0, 0.5])
+    falls = torch.tensor([[True, False, True], [True, True, True], [False, False, True]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # padding after EOS
+    changes = study.kl_on_every_token(tepo)
+    assert all(hasattr(owner, name) for owner, name, _ in changes)  # else run_arm refuses
+    own = tepo.kl_mask(A, falls, mask)
+    assert own.tolist() == [[True, False, False], [False] * 3, [False] * 3]
+    logp, ref = -torch.rand(3, 3), -torch.rand(3, 3)
+    terms = dict(logp=logp, old_logp=logp, ref_logp=ref, advantages=A, mask=mask)
+    with diagnostics.patched(*changes):
+        M = tepo.kl_mask(A, falls, mask)
+        assert M.dtype == torch.bool and torch.equal(M, mask.bool())
+        stats = tepo.tepo_stats(**terms, M=M, entropy=torch.ones(3, 3))
+    assert tepo.kl_mask(A, falls, mask).tolist() == own.tolist()  # put back after
+    kl, m = tepo.k3_kl(ref, logp), mask.bool()
+    assert stats["mask_frac"] == 1.0 and stats["masked_kl"] == pytest.approx(stats["kl"])
+    assert stats["tepo_mask_frac"] == pytest.approx(1 / 6)  # TEPO's own: 1 of 6 valid tokens
+    assert stats["tepo_masked_kl"] == pytest.approx(kl[0, 0].item())
+    assert stats["kl_off_tepo_mask"] == pytest.approx(kl[m & ~own].mean().item())
+
+
+def test_klall_arm_runs_and_pairs_with_tepo_len_token_at_step_1(tmp_path):
+    """One tiny step of each, as the study starts them: the arm's KL term is on every valid token
+    (mask_frac 1, nothing off it), TEPO's own mask is logged beside it, and step 1's rollout, made
+    before any update, is the baseline's (the plan's pairing check)."""
+    out = tmp_path / "s"
+    small = "--prompts-per-step 4 --group-size 4 --micro-batch-size 8 --num-mini-batches 2"
+    args = study.Args(steps=1, eval_every=100, eval_n=8, extra=small)
+    (out / "logs").mkdir(parents=True)
+    jobs = study.make_jobs(args, [], [], out, [("tepo-len-token", 1), (KLALL, 1)])
+    assert study.run_jobs(jobs, 2) == [], study.log_tail(jobs[1].log)
+    import runner
+
+    base, arm = (
+        runner.read_metrics(out / "runs" / f"{c}-s1")[1] for c in ("tepo-len-token", KLALL)
+    )
+    assert arm["mask_frac"] == 1.0 and arm["kl_off_mask"] == 0.0
+    assert arm["masked_kl"] == pytest.approx(arm["kl"])
+    assert 0 < arm["tepo_mask_frac"] < 1 and arm["tepo_mask_frac"] == base["mask_frac"]
+    assert "tepo_mask_frac" not in base
+    for k in ("reward", "accuracy", "completion_len", "truncated_frac", "zero_std_frac"):
+        assert arm[k] == base[k], k

@@ -91,6 +91,12 @@ that it runs the same whatever tepo.py's default is):
                                without its KL
     tepo-len, grpo-len,        docs/study/PLAN-length.md: each script with dapo.py's length term
     erpo-len, sapo-len         in its reward (--overlong-cache 16)
+    tepo-len-ppo,              docs/study/PLAN-clip-real.md: tepo-len at PPO's clip range, on the
+    tepo-len-token             sequence ratio and per token (tepo.py's default since)
+    tepo-len-token-kl0,        docs/study/PLAN-kl-real.md: tepo-len-token with --kl-coef 0, and
+    tepo-len-token-klall       with the KL term on every valid token: not a flag of tepo.py but
+                               its kl_mask replaced from outside (ARMS: such a run starts as
+                               `python tools/study.py --arm CONFIG tepo.py [flags]`)
 On a real model the cpu preset has the length term on since PLAN-length's adoption: the real-model
 runs named grpo, tepo, erpo, sapo, tepo-seq-*, grpo-no-kl in docs/study/real ran before it, with
 it off; repeat one with --extra "... --overlong-cache 0".
@@ -99,6 +105,7 @@ it off; repeat one with --extra "... --overlong-cache 0".
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import math
 import os
@@ -198,6 +205,9 @@ CONFIGS = {
     # PLAN-clip-real.md: tepo-len with PPO's clip range, on the sequence ratio and per token
     "tepo-len-ppo": ("tepo", ["--overlong-cache", "16", *SEQ, *PPO_CLIP]),
     "tepo-len-token": ("tepo", ["--overlong-cache", "16", *TOKEN_PPO]),
+    # PLAN-kl-real.md: tepo-len-token without its KL term, and with it on every valid token (ARMS)
+    "tepo-len-token-kl0": ("tepo", ["--overlong-cache", "16", *TOKEN_PPO, "--kl-coef", "0"]),
+    "tepo-len-token-klall": ("tepo", ["--overlong-cache", "16", *TOKEN_PPO]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:9]  # the first study's; the later ones only by --configs or --runs
 # One name per run. A config's old name, as PLAN.md, PLAN-real.md and the data of the second study
@@ -212,6 +222,55 @@ RETIRED = {
 }
 # every run goes through it: the studies' diagnostics
 DIAGNOSTICS = ROOT / "tools" / "diagnostics.py"
+STUDY = ROOT / "tools" / "study.py"
+# A run of an ARMS config starts (and resumes) as `python tools/study.py --arm CONFIG SCRIPT.py
+# [the script's flags]`: the diagnostics' run, with the arm's change made from outside
+ARM_FLAG = "--arm"
+
+
+def kl_on_every_token(tepo) -> list:
+    """PLAN-kl-real.md's tepo-len-token-klall, as (owner, name, wrap) triples for
+    diagnostics.patched: tepo.py's kl_mask replaced by one that returns every valid token,
+    mask.bool(), so the KL term (its coefficient unchanged) is on all of them, as GRPO's is; the
+    lesson gains no flag for a study arm. tepo_stats then logs truthfully mask_frac 1 and
+    masked_kl = kl (diagnostics: kl_off_mask 0, no token is off M); so that the arm can be read
+    beside tepo-len-token, TEPO's own mask is still computed, unused, and tepo_stats gains its
+    share and the KL on and off it: tepo_mask_frac, tepo_masked_kl, kl_off_tepo_mask."""
+    import torch
+
+    own = {}  # TEPO's own mask for the micro-batch whose M was built last
+
+    def kl_mask(original):
+        def every_valid_token(advantages, entropy_falls, mask):
+            own["M"] = original(advantages, entropy_falls, mask)
+            return mask.bool()
+
+        return every_valid_token
+
+    def tepo_stats(original):
+        def wrapper(**terms):  # tepo.py passes its terms by name: a change of that fails here
+            out = original(**terms)
+            M, m, ref_logp = own["M"], terms["mask"].bool(), terms["ref_logp"]
+            if M.shape != m.shape:
+                raise RuntimeError(f"TEPO's mask {tuple(M.shape)} is not this micro-batch's")
+            with torch.no_grad():
+                other = m & ~M
+                out["tepo_mask_frac"] = (M.sum() / m.sum().clamp(min=1)).item()
+                if ref_logp is not None:  # as tepo_stats's masked_kl, diagnostics' kl_off_mask
+                    kl = tepo.k3_kl(ref_logp, terms["logp"].detach())
+                    on, off = torch.where(M, kl, 0.0).sum(), torch.where(other, kl, 0.0).sum()
+                    out["tepo_masked_kl"] = (on / M.sum().clamp(min=1)).item()
+                    out["kl_off_tepo_mask"] = (off / other.sum().clamp(min=1)).item()
+            return out
+
+        return wrapper
+
+    return [(tepo, "kl_mask", kl_mask), (tepo, "tepo_stats", tepo_stats)]
+
+
+# Configs whose change is made from outside the script, by a function of the script module that
+# returns what to patch (tools/diagnostics.py's way of reading a script)
+ARMS = {"tepo-len-token-klall": kl_on_every_token}
 BASELINES = ("grpo", "dapo")  # the claim compares TEPO with these two
 # PLAN.md's candidate readings (a), (b), (c) for tepo.py's default; (a) stays without evidence.
 # (b), picked, was tepo.py's default until PLAN-clip-real.md chose (c) on the real model.
@@ -334,6 +393,34 @@ def resolve_runs(runs: str) -> list[tuple[str, int]]:
     return pairs
 
 
+def launcher(config: str, script: str) -> list[str]:
+    """The command a run of `config` starts (or resumes) with, before the script's flags: the
+    diagnostics', or for an ARMS config this file's --arm, so that a resume keeps the change."""
+    if config in ARMS:
+        return [sys.executable, str(STUDY), ARM_FLAG, config, script]
+    return [sys.executable, str(DIAGNOSTICS), script]
+
+
+def run_arm(argv: list[str]) -> int:
+    """`--arm CONFIG SCRIPT.py [flags]`: one run of an ARMS config through tools/diagnostics.py,
+    the arm's change in place (and undone after)."""
+    if len(argv) < 2 or argv[0] not in ARMS or Path(argv[1]).stem != CONFIGS[argv[0]][0]:
+        raise UserError(
+            f"usage: {ARM_FLAG} CONFIG SCRIPT.py [flags], CONFIG one of {', '.join(ARMS)} "
+            f"with its own script, not {' '.join(argv[:2])!r}"
+        )
+    from tools import diagnostics
+
+    script = importlib.import_module(CONFIGS[argv[0]][0])  # the module diagnostics runs
+    changes = ARMS[argv[0]](script)
+    missing = [name for owner, name, _ in changes if not hasattr(owner, name)]
+    if missing:  # patched() skips a name the owner lacks: the arm would run as its baseline
+        raise UserError(f"{argv[0]}: {script.__name__}.py has no {', '.join(missing)}")
+    with diagnostics.patched(*changes):
+        diagnostics.main(argv[1:])
+    return 0
+
+
 def make_jobs(
     args: Args,
     configs: list[str],
@@ -350,6 +437,7 @@ def make_jobs(
         run_dir, log = out / "runs" / name, out / "logs" / f"{name}.log"
         resumes = out / "logs" / f"{name}.resumes"
         script = str(ROOT / f"{CONFIGS[config][0]}.py")
+        start = launcher(config, script)
         steps = ["--steps", str(args.steps)] if args.steps is not None else []
         action = plan_run(run_dir, args.steps)
         if action == "skip":
@@ -362,7 +450,7 @@ def make_jobs(
             jobs.append(
                 Job(
                     name,
-                    [sys.executable, str(DIAGNOSTICS), script, "--resume", str(run_dir), *steps],
+                    [*start, "--resume", str(run_dir), *steps],
                     log,
                     append=True,
                 )
@@ -378,9 +466,7 @@ def make_jobs(
             Job(
                 name,
                 [
-                    sys.executable,
-                    str(DIAGNOSTICS),
-                    script,
+                    *start,
                     "--seed",
                     str(seed),
                     "--output-dir",
@@ -1488,6 +1574,10 @@ def study(args: Args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [ARM_FLAG]:  # one run of an arm, as make_jobs starts it
+        with runner.user_errors():
+            return run_arm(argv[1:])
     args = runner.parse_args(Args, argv)
     with runner.user_errors():
         return study(args)

@@ -43,6 +43,7 @@ LAST_STEPS = range(51, 61)  # the cut-off share over these training steps
 CONFIGS = (
     "grpo", "tepo", "tepo-seq-mean", "tepo-seq-ppo", "dapo", "grpo-no-kl", "erpo", "sapo",
     "tepo-len", "grpo-len", "erpo-len", "sapo-len", "tepo-len-ppo", "tepo-len-token",
+    "tepo-len-token-kl0", "tepo-len-token-klall",
 )  # fmt: skip
 STEP_COLUMNS = (
     "reward",
@@ -64,6 +65,14 @@ STEP_COLUMNS = (
     "clip_frac_mini2",
     "explained_var",
     "peak_rss_mb",
+    # PLAN-kl-real.md: equal-reward groups, the KL on and off the KL term's mask, and under
+    # tepo-len-token-klall (whose mask is every valid token) TEPO's own mask, computed unused
+    "zero_std_frac",
+    "masked_kl",
+    "kl_off_mask",
+    "tepo_mask_frac",
+    "tepo_masked_kl",
+    "kl_off_tepo_mask",
 )
 ONE_SEED = ("erpo", "sapo")  # seed 1 each, for the README's table (the plan's step 3)
 TINY = ("tepo", "tepo-seq-mean")  # adoption: today's default, the candidate (seeds 6-10)
