@@ -185,9 +185,8 @@ def presets(every: dict | None = None, **changes: dict) -> dict[str, dict]:
     >>> presets(gpu=dict(num_mini_batches=8))["gpu"]["num_mini_batches"]
     8
     """
-    return {
-        name: {**base, **(every or {}), **changes.get(name, {})} for name, base in PRESETS.items()
-    }
+    every = every or {}
+    return {name: {**base, **every, **changes.get(name, {})} for name, base in PRESETS.items()}
 
 
 # =====================================================================================
@@ -250,10 +249,9 @@ def _table(dataset: str, split: str, config: str | None) -> list[dict]:
 
 def gold_text(value, where: str) -> str | None:
     """A gold answer as the text the grader reads, by one rule for every JSON type, in training and
-    in eval.py: text stripped; a number as written (27.0 -> "27"); a list as its items joined by
-    ", ", as \\boxed{4, 6} answers both; null: no answer (the row is dropped). Refused in one line:
-    true / false, an object, a float that is not finite or may have lost digits (2**53 or more).
-    A parquet decimal column's values are numbers too: Decimal("12") -> "12"."""
+    in eval.py: text stripped; a number as written (27.0 or a parquet Decimal("27") -> "27"); a list
+    as its items joined by ", ", as \\boxed{4, 6} answers both; null: no answer (its row dropped).
+    Refused in one line: true / false, an object, a float not finite or of 2**53 or more."""
     if value is None or isinstance(value, str):
         return value.strip() if value is not None else None
     if isinstance(value, (list, tuple)):
@@ -275,9 +273,8 @@ def load_problems(
     """[{'problem', 'answer'}] from a bundled set (tiny, words), a short name or hub id in
     HUB_DATASETS, any other hub id, or a local .jsonl/.json/.parquet file; `limit` problems at
     most, the same ones whatever the run's seed."""
-    hub_id, config, p_col, a_col, boxed = HUB_DATASETS.get(
-        dataset, (dataset, None, "problem", "answer", False)
-    )
+    default = (dataset, None, "problem", "answer", False)  # a hub id or file not in the table
+    hub_id, config, p_col, a_col, boxed = HUB_DATASETS.get(dataset, default)
     p_col, a_col = problem_column or p_col, answer_column or a_col
     try:
         table = _table(hub_id, split, config)

@@ -64,17 +64,10 @@ def _bool(text: str) -> bool:
 def _preset_table(presets: dict[str, dict]) -> str:
     lines = ["presets: each changes these flags from the defaults above, unless passed (lora-lr:"]
     lines.append("the lr under --lora-rank); --preset auto picks one by --model and --device")
+    wrap = textwrap.TextWrapper(98, subsequent_indent="    ", break_on_hyphens=False)
     for name, table in presets.items():
         pairs = " ".join(f"{flag(k)[2:]}={v}" for k, v in table.items())
-        lines.append(
-            textwrap.fill(
-                pairs,
-                98,
-                initial_indent=f"  {name}: ",
-                subsequent_indent="    ",
-                break_on_hyphens=False,
-            )
-        )
+        lines.append(wrap.fill(f"  {name}: {pairs}"))
     return "\n".join(lines)
 
 
@@ -288,11 +281,9 @@ def check_model_folder(path: str) -> None:
         )
     why = None if constants.HF_HUB_OFFLINE else hub_unreachable()
     if why is not None:
-        then = (
-            "set HF_HUB_OFFLINE=1 to load it from the local cache"
-            if cached
-            else ("check the connection, or give a local model folder")
-        )
+        then = "check the connection, or give a local model folder"
+        if cached:
+            then = "set HF_HUB_OFFLINE=1 to load it from the local cache"
         raise UserError(
             f"cannot load model {path!r}: the Hugging Face hub cannot be reached "
             f"({constants.ENDPOINT}: {why}); {then}"
@@ -393,14 +384,11 @@ class RunLogger:
 
                 self.tb = SummaryWriter(str(self.run_dir / "tb"))
             except Exception:  # tensorboard not installed
-                self.tb = None
+                pass
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {
-            "step": step,
-            "time": round(time.time(), 3),
-            **{k: _json_value(v) for k, v in metrics.items()},
-        }
+        row = {"step": step, "time": round(time.time(), 3)}
+        row |= {k: _json_value(v) for k, v in metrics.items()}
         with writing(f"step {step} to metrics.jsonl", self.run_dir):
             self.file.write(json.dumps(row, allow_nan=False) + "\n")
             self.file.flush()
@@ -432,14 +420,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # Checkpoints: written to a temporary folder, renamed into place, then pointed to
 # =====================================================================================
 def _fsync(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not supported on every filesystem
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
-        pass  # not supported on every filesystem
 
 
 def _step_of(path: Path) -> int:
@@ -652,10 +638,8 @@ def lock_run_folder(run_dir: Path, what: str = "run folder", other: str = "--run
         f.close()  # a removed file: lock the one now at that path
     f.seek(0)
     f.truncate()
-    f.write(
-        f"process {os.getpid()} on {socket.gethostname()} (since "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n"
-    )
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    f.write(f"process {os.getpid()} on {socket.gethostname()} (since {since})\n")
     f.flush()
     return FolderLock(f, path)
 
@@ -776,11 +760,8 @@ def _colour(v: float, lo: float, hi: float) -> str:
     """White at 0; red for positive and blue for negative when the range crosses 0, else orange."""
     if lo < 0 < hi:
         s = v / max(abs(lo), abs(hi)) if v else 0.0
-        r, g, b = (
-            (255, int(255 * (1 - s)), int(255 * (1 - s)))
-            if s > 0
-            else (int(255 * (1 + s)),) * 2 + (255,)
-        )
+        c = int(255 * (1 - abs(s)))
+        r, g, b = (255, c, c) if s > 0 else (c, c, 255)
     else:
         s = (v - lo) / (hi - lo) if hi > lo else (1.0 if v else 0.0)
         r, g, b = 255, int(255 - 120 * s), int(255 - 255 * s)
