@@ -982,6 +982,10 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return args
 
 
+# the line after "stopped by SIGTERM": every finished batch of samples is on disk, whole
+STOPPED = ": the samples written so far are kept; the same command with --resume adds the rest"
+
+
 def typed(args: Args, name: str) -> str:
     """The flag of field `name` as the user typed it (--limit for eval_n), else its own."""
     return getattr(args, "spelled", {}).get(name, flag(name))
@@ -989,8 +993,12 @@ def typed(args: Args, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with runner.user_errors():  # as the training scripts: a UserError is one line, exit 2
-        evaluate(args)
+    kept = runner.catch_stop_signals(runner.stop_at_once)  # Ctrl-C, SIGTERM, SIGHUP: one line
+    try:
+        with runner.user_errors(STOPPED):  # as the training scripts: a UserError is one line
+            evaluate(args)
+    finally:
+        runner.restore_signals(kept)
     return 0
 
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -318,6 +320,55 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# =====================================================================================
+# Stop signals: Ctrl-C, SIGTERM (a scheduler, a preempted cloud machine), SIGHUP (the terminal)
+# =====================================================================================
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stop(BaseException):
+    """A stop signal that ends what is under way at once (not an Exception: no `except
+    Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def catch_stop_signals(handler) -> dict:
+    """Install `handler` for each stop signal, but not for one the process was started with
+    ignored (nohup, `cmd &`, some CI runners: the convention is that it stays ignored). Returns
+    what was there, for restore_signals; off the main thread Python allows no handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    kept = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    kept = {sig: h for sig, h in kept.items() if h is not signal.SIG_IGN}
+    for sig in kept:
+        signal.signal(sig, handler)
+    return kept
+
+
+def stop_at_once(signum, frame):
+    """The handler of a program with no step to finish (eval.py): stop now. The signals that come
+    while it stops are not heard (a second Ctrl-C there would be a traceback)."""
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is stop_at_once:
+            signal.signal(sig, signal.SIG_IGN)
+    raise Stop(signum)
+
+
+def restore_signals(kept: dict) -> None:
+    """Put back what catch_stop_signals found, except where stop_at_once ignores the signals: the
+    process is ending, and a second Ctrl-C after a restore would be a traceback."""
+    for sig, handler in kept.items():
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handler)
+
+
 # The figures the progress bar shows, by metric
 BAR_FIGURES = {"reward": "reward", "accuracy": "acc", "kl": "kl", "entropy": "ent"}
 BAR_FIGURES |= {"completion_len": "len", "tokens_per_s": "tok/s"}
@@ -507,7 +558,7 @@ def save_checkpoint(
         os.replace(pointer, run_dir / "latest")  # the pointer moves only once the folder is whole
     _fsync(run_dir)
     shutil.rmtree(trash, ignore_errors=True)
-    ckpts = sorted(run_dir.glob("checkpoint-*"), key=_step_of)
+    ckpts = own_checkpoints(run_dir)  # never a linked folder of another run
     for old in ckpts[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for old in ckpts[-keep:-1] if keep > 1 else []:
@@ -530,14 +581,19 @@ def clean_leftovers(run_dir: Path) -> None:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder whose `latest` file names one (or, if that one is
-    gone, the newest whole checkpoint in it)."""
+    """A checkpoint folder, or a run folder whose `latest` file names one of its own checkpoints
+    (or, if that one is gone or `latest` names a folder elsewhere, its newest whole checkpoint:
+    a run never trains or scores another run's checkpoint)."""
     path = Path(path)
     if (path / "latest").is_file():
-        target = path / (path / "latest").read_text().strip()
-        if not (target / "trainer_state.pt").is_file():
-            whole = [p for p in path.glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
-            target = max(whole, key=_step_of) if whole else target
+        name = (path / "latest").read_text().strip()
+        target = path / name
+        own = re.fullmatch(r"checkpoint-\d+", name) and not target.is_symlink()
+        if name and not own:
+            warn(f"{path / 'latest'} names {name!r}, not a checkpoint of this run: not followed")
+        if not own or not (target / "trainer_state.pt").is_file():
+            whole = whole_checkpoints(path)
+            target = whole[0] if whole else target if own else path
         path = target
     if not (path / "trainer_state.pt").is_file():
         raise UserError(
@@ -726,10 +782,15 @@ def changed_flags(args, saved) -> list[str]:
     ]
 
 
+def own_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoint-N folders, oldest first; a link to a folder elsewhere is not one."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if not p.is_symlink()]
+    return sorted(found, key=_step_of)
+
+
 def whole_checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoint folders, newest first."""
-    whole = [p for p in Path(run_dir).glob("checkpoint-*") if (p / "trainer_state.pt").is_file()]
-    return sorted(whole, key=_step_of, reverse=True)
+    return [p for p in reversed(own_checkpoints(run_dir)) if (p / "trainer_state.pt").is_file()]
 
 
 def last_saved(run_dir: Path) -> str:
@@ -815,14 +876,18 @@ class Run:
     loads), but it is removed if the run closes before it attaches its model and data (a model
     that fails to load leaves nothing behind). On CUDA it first prints the run's expected memory
     and time (check_cost; `needs_reference`: the script's), and a run the GPU cannot hold stops
-    there, in one line. The first Ctrl-C or SIGTERM finishes the step, saves, and exits (130 /
-    143); before the run attaches it stops at once; a second Ctrl-C stops at once, in one line,
-    leaving the checkpoint on disk whole."""
+    there, in one line. A stop signal (Ctrl-C, SIGTERM, SIGHUP; exit 130 / 143 / 129) in a step's
+    rollouts stops at once and saves the step before, as it was when this one began (weights,
+    optimizer, sampler, RNG), so --resume redoes the step as an unstopped run would; in the update
+    it waits for the update (`updating` to `updated`); after it (the evaluation) it stops at once
+    and saves this step, whose evaluation --resume runs first. Before the run attaches it stops at
+    once; a second Ctrl-C stops at once, in one line, leaving the checkpoint on disk whole."""
 
     def __init__(self, args, algo: str, resolve, needs_reference):
         self.algo, self.ckpt, self.state, self.lock = algo, None, None, None
         self.made, self.models = False, None  # made: this run made its folder (and may remove it)
         self.logger, self.bar, self._previous, self.saving = None, None, {}, None
+        self.phase, self.start, self.step, self._row = "loading", 0, 0, None
         _ACTIVE_RUNS.append(self)
         try:
             self._open(args, resolve, needs_reference)
@@ -881,7 +946,7 @@ class Run:
         torch.set_num_threads(args.threads)
         threads = f"{args.threads} torch thread{'s' * (args.threads > 1)}"
         print(f"{algo}: {threads} on {self.device} (--threads or OMP_NUM_THREADS to change)")
-        if self.state is not None and args.steps <= self.state["step"]:
+        if self.state is not None and args.steps <= self.state["step"] and "row" not in self.state:
             print(
                 f"nothing to train: {self.ckpt} is at step {self.state['step']} already, and "
                 f"--steps is {args.steps}; give a larger --steps to train further"
@@ -893,7 +958,10 @@ class Run:
             spec.loader.exec_module(cost)
             cost.check_run(args, needs_reference(args), self.device)
         if self.ckpt is None and not restart:
-            self.dir = Path(args.output_dir) / args.run_name
+            name = args.run_name  # one folder in --output-dir, never a path out of it
+            if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+                raise UserError(f"--run-name {name!r} must be one folder name, without / or ..")
+            self.dir = Path(args.output_dir) / name
             with writing(
                 "the run folder", self.dir.parent if self.dir.parent.exists() else Path.cwd()
             ):
@@ -920,17 +988,15 @@ class Run:
             )
             self._cut_metrics(-1)  # the steps logged before the stop are run again
             write_text(self.dir / "args.json", json.dumps(saved_args(args, algo), indent=2))
-        else:
-            self._cut_metrics(self.state["step"])
+        else:  # a step saved with its figures ("row") logs them again, after its evaluation
+            self._cut_metrics(self.state["step"] - ("row" in self.state))
         random.seed(args.seed)
         torch.manual_seed(args.seed)  # also seeds every CUDA device
         self.logger = RunLogger(self.dir, args.tensorboard)
         self.stop_signal, self.last_metrics, self._stalled = None, None, 0
         self.step_start = time.perf_counter()
         self._said_timeouts = False
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: terminal closed
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._previous = catch_stop_signals(self._on_signal)
 
     # --- resume ---------------------------------------------------------------------
     def _check_weights(self) -> None:
@@ -960,6 +1026,7 @@ class Run:
         state_dict / load_state_dict, those named *optimizer* kept only in the newest checkpoint).
         On --resume load their saved state and the RNG. Returns the step to start after."""
         self.models, self.tokenizer, self.stateful = models, tokenizer, state
+        self.phase = "start"
         if self.state is None:
             return 0
         opt_file = self.ckpt / "optimizer.pt"
@@ -978,7 +1045,19 @@ class Run:
                 obj.load_state_dict(opt_state[k])
         set_rng_state(self.state["rng"])
         print(f"resumed {self.dir} from {self.ckpt.name} at step {self.state['step']}")
-        return self.state["step"]
+        self.start, self._row = self.state["step"], self.state.get("row")
+        if self._row is not None and not self.eval_due(self.start):
+            self.log(self.start, {})  # a stop before an evaluation that was not due: its figures
+        return self.start
+
+    def eval_due(self, step: int) -> bool:
+        """Is the held-out evaluation due after `step`? Every --eval-every steps and after the
+        last; at the step the run starts from, only if it has not run (step 0 of a new run, or a
+        step whose evaluation a stop cut short)."""
+        due = step % self.args.eval_every == 0 or step == self.args.steps
+        if step == self.start and self.state is not None:
+            return due and self._row is not None
+        return due
 
     def _cut_metrics(self, step: int) -> None:
         """Rows logged after the checkpoint (a crash between saves) would be logged again."""
@@ -989,14 +1068,53 @@ class Run:
 
     # --- the loop ---------------------------------------------------------------------
     def _on_signal(self, signum, frame):
-        if self.stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.stop_signal = signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.stop_signal is not None:  # stopping already: only a second Ctrl-C is heard
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.stop_signal, name = signum, signal_name(signum)
         if self.models is None:  # still loading: no step to finish, nothing to save
             tqdm.write(f"{name}: stopped before the first step; nothing was saved")
             raise SystemExit(128 + signum)
-        tqdm.write(f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+        if self.phase in ("update", "end"):  # weights half-updated: the update ends first
+            tqdm.write(f"{name}: finishing this step's update, then saving (Ctrl-C again to abort)")
+            return
+        raise Stop(signum)  # rollouts, evaluation: nothing is lost by dropping them (stopped)
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        """What a checkpoint saves beside the weights and optimizer, as it is now."""
+        small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
+        return copy.deepcopy(small), rng_state()
+
+    def updating(self) -> None:
+        """The update begins: a stop signal from here waits for `updated`."""
+        self.phase = "update"
+
+    def updated(self, metrics: dict) -> None:
+        """The step's update is done and `metrics` hold its figures: a stop signal from here (the
+        evaluation) saves this step at once, its evaluation left to --resume; so does one that
+        came during the update."""
+        self.phase, self._after = "after", (self._timed(metrics), self._snapshot())
+        if self.stop_signal is not None:
+            raise Stop(self.stop_signal)
+
+    def stopped(self, signum: int) -> str:
+        """A stop signal ended rollouts or an evaluation at once: save the last finished state
+        (that of this step after its update, or of the step before, as it was when this one began)
+        and return the line that says so."""
+        name, step, after = signal_name(signum), self.step, self.phase == "after"
+        saved = step if after else step - 1
+        if self.phase == "start" or saved == self.start and not after:  # nothing new
+            then = "start it again from step 0" if unsaved(self.dir) else "continue"
+            return (
+                f"{name}: stopped; nothing new to save, {last_saved(self.dir)}; {then} with: "
+                f"python {self.algo}.py --resume {self.dir}"
+            )
+        row, (small, rng) = self._after if after else (None, self._began)
+        where = f"after step {step}'s update" if after else f"in step {step}'s rollouts"
+        tqdm.write(f"{name}: stopped {where}; saving step {saved}")
+        path = self.save(saved, small, rng, row)
+        return f"stopped: saved {path}; continue with: python {self.algo}.py --resume {self.dir}"
 
     def steps(self, start: int):
         """The steps left to train, behind the progress bar; each step's wall time is kept."""
@@ -1005,10 +1123,15 @@ class Run:
             steps, initial=start, total=self.args.steps, desc=self.algo, dynamic_ncols=True
         )
         for step in self.bar:
-            self.step_start = time.perf_counter()
+            self.step, self.step_start = step, time.perf_counter()
+            self.phase, self._began = "rollout", self._snapshot()  # a stop now saves this state
+            if self.stop_signal is not None:  # it came as the last step ended
+                raise Stop(self.stop_signal)
             yield step
 
     def log(self, step: int, metrics: dict) -> None:
+        if self._row is not None and step == self.start:  # the figures of a step a stop saved
+            metrics, self._row = {**self._row, **metrics}, None
         self.logger.log(step, metrics)
         if "eval/greedy_acc" in metrics:
             tqdm.write(
@@ -1027,9 +1150,8 @@ class Run:
 
     def end_step(self, step: int, metrics: dict) -> None:
         """Log the step, update the bar, warn if nothing can be learned, save when due or asked."""
-        seconds = time.perf_counter() - self.step_start
-        metrics = {**metrics, "time/step": seconds}
-        metrics["tokens_per_s"] = metrics.get("tokens", 0) / seconds  # completion tokens sampled
+        self.phase = "end"
+        metrics = self._timed(metrics)
         self.log(step, metrics)
         self.last_metrics = metrics
         if self.bar is not None:
@@ -1047,6 +1169,11 @@ class Run:
                 )
                 raise SystemExit(128 + self.stop_signal)
 
+    def _timed(self, metrics: dict) -> dict:
+        seconds = time.perf_counter() - self.step_start
+        tokens_per_s = metrics.get("tokens", 0) / seconds  # completion tokens sampled
+        return {**metrics, "time/step": seconds, "tokens_per_s": tokens_per_s}
+
     def _check_signal(self, m: dict) -> None:
         """A run whose rewards never differ within a group learns nothing: say so, and why."""
         silent = m.get("unparsable_frac", 0) >= 0.9 or m.get("zero_std_frac", 0) >= 0.9
@@ -1061,21 +1188,21 @@ class Run:
                 f"are cut off (raise --max-new-tokens), or the task is too hard or too easy"
             )
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, small=None, rng=None, row: dict | None = None) -> Path:
+        """Checkpoint-<step>: the weights and optimizer as they are; the rest (sampler,
+        scheduler, RNG) as they are or as given (a stop's snapshot), with the figures of a step
+        whose evaluation is still to run (`row`)."""
         for name, model in self.models.items():
             if not all(torch.isfinite(p).all() for p in model.parameters()):
                 raise UserError(
                     f"the weights of {name or 'the policy'} are not finite at step "
                     f"{step}; not saved; {last_saved(self.dir)}"
                 )
-        small = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" not in k}
+        if small is None:
+            small, rng = self._snapshot()
         big = {k: v.state_dict() for k, v in self.stateful.items() if "optimizer" in k}
-        trainer_state = {
-            "step": step,
-            "rng": rng_state(),
-            "args": saved_args(self.args, self.algo),
-            **small,
-        }
+        trainer_state = {"step": step, "rng": rng, "args": saved_args(self.args, self.algo)}
+        trainer_state |= small | ({"row": row} if row is not None else {})
         self.saving = step  # for the line of a second Ctrl-C
         path = save_checkpoint(
             self.dir,
@@ -1171,8 +1298,7 @@ class Run:
             self.bar.close()
         if self.logger is not None:
             self.logger.close()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_signals(self._previous)
         if self.lock is None:
             return
         unstarted = self.made and self.models is None
@@ -1194,10 +1320,11 @@ def _blown_up(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def user_errors():
+def user_errors(then: str = ""):
     """Around a script's main: a UserError is one line on stderr and exit code 2, and so is a
-    policy that blew up in a run; a second Ctrl-C in a run is one line and exit code 130.
-    Whatever happens, open runs close (log files, signal handlers, the folder's lock)."""
+    policy that blew up in a run; a stop signal is one line (`then` says what next, outside a
+    run) and exit code 128 + its number, as is a second Ctrl-C in a run (130). Whatever happens,
+    open runs close (log files, signal handlers, the folder's lock)."""
     try:
         yield
     except UserError as e:
@@ -1208,11 +1335,21 @@ def user_errors():
             raise
         print("error: " + _ACTIVE_RUNS[-1].blew_up(), file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stop) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
         if not _ACTIVE_RUNS:
-            raise
-        print(_ACTIVE_RUNS[-1].interrupted(), file=sys.stderr)
-        raise SystemExit(130) from None
+            print(f"stopped by {signal_name(signum)}{then}", file=sys.stderr)
+            raise SystemExit(128 + signum) from None
+        run = _ACTIVE_RUNS[-1]
+        try:
+            line = run.interrupted() if isinstance(e, KeyboardInterrupt) else run.stopped(signum)
+        except KeyboardInterrupt:  # a second Ctrl-C, in the stop's save
+            line, signum = run.interrupted(), signal.SIGINT
+        except UserError as u:  # weights not finite: not saved
+            print("error: " + " ".join(str(u).split()), file=sys.stderr)
+            raise SystemExit(2) from None
+        print(line, file=sys.stderr)
+        raise SystemExit(128 + signum) from None
     finally:
         for run in list(_ACTIVE_RUNS):
             run.close()

@@ -793,8 +793,8 @@ def train(args: Args) -> dict:
         critic_scheduler=critic_scheduler,
     )  # SAPO
     start = run.attach({"": policy, "critic": critic}, tokenizer, state)  # what a checkpoint holds
-    if start == 0 and eval_rows:
-        run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
+    if eval_rows and run.eval_due(start):  # step 0, or a step a stop saved before it
+        run.log(start, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
@@ -820,6 +820,7 @@ def train(args: Args) -> dict:
 
         # 5. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
         #    each for the policy and (SAPO) the critic; gradients accumulate over micro-batches
+        run.updating()  # a stop signal from here waits for the update to end
         policy.train()
         critic.train()  # SAPO
         stats = []
@@ -867,6 +868,7 @@ def train(args: Args) -> dict:
             "lr": scheduler.get_last_lr()[0],
             "critic_lr": critic_scheduler.get_last_lr()[0],  # SAPO
         }
+        run.updated(metrics)  # the update is done: a stop from here saves this step at once
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
             shown = {
@@ -876,7 +878,7 @@ def train(args: Args) -> dict:
                 "value": seg["token_values"],
             }  # advantages, values
             run.write_samples(step, tokenizer, batch, rewards, advantages, shown)
-        if eval_rows and (step % args.eval_every == 0 or step == args.steps):
+        if eval_rows and run.eval_due(step):  # every --eval-every steps, and after the last
             metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
         run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
     return run.finish()

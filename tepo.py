@@ -326,8 +326,8 @@ def train(args: Args) -> dict:
     sampler = common.PromptSampler(train_rows, args.seed, args.dataset)
     state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler)
     start = run.attach({"": policy}, tokenizer, state)  # what a checkpoint holds
-    if start == 0 and eval_rows:
-        run.log(0, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
+    if eval_rows and run.eval_due(start):  # step 0, or a step a stop saved before it
+        run.log(start, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
     P, G = args.prompts_per_step, args.group_size
     for step in run.steps(start):
@@ -358,6 +358,7 @@ def train(args: Args) -> dict:
 
         # 4. Updates: the batch is shuffled into num_mini_batches mini-batches, one optimizer step
         #    each; a mini-batch's gradient is accumulated over micro-batches
+        run.updating()  # a stop signal from here waits for the update to end
         policy.train()
         stats = []
         for _ in range(args.ppo_epochs):
@@ -398,13 +399,14 @@ def train(args: Args) -> dict:
             **common.reduce_stats(stats),
             "lr": scheduler.get_last_lr()[0],
         }
+        run.updated(metrics)  # the update is done: a stop from here saves this step at once
         if step % args.sample_every == 0 or step == start + 1:
             show_samples(step, batch, rewards)
             shown = {"entropy": old_entropy, "c": c}  # TEPO: c, and the mask when known at sampling
             if not observed:
                 shown["kl_mask"] = kl_mask(advantages, c > 0, batch["mask"])
             run.write_samples(step, tokenizer, batch, rewards, advantages, shown)
-        if eval_rows and (step % args.eval_every == 0 or step == args.steps):
+        if eval_rows and run.eval_due(step):  # every --eval-every steps, and after the last
             metrics.update(evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
         run.end_step(step, metrics)  # log, progress bar, checkpoint when due or when stopped
     return run.finish()

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -1416,3 +1417,72 @@ def test_a_kill_while_writing_the_results_keeps_them_whole(model_dir, tmp_path, 
     assert json.loads(result.read_text()) == before  # whole, as it was
     assert ev.main(tiny_argv(model_dir, tmp_path, "--resume")) == 0
     assert json.loads(result.read_text())["complete"] is True
+
+
+def test_every_json_type_of_gold_answer_is_one_rule_in_training_and_eval(tmp_path):
+    """Issue 67: a JSON-lines answer ["4", "6"] trained with gold "['4', '6']" (Python's repr),
+    which math-verify reads as an interval, so \\boxed{4, 6} scored 0; and eval.py read a local
+    file its own way. One rule (common.gold_text) for string, int, float, list and null, graded
+    as written, in training and in eval.py; true/false and an object refused naming file and row."""
+    good = tmp_path / "good.jsonl"
+    answers = ["x = 3 ", 12, 0.5, ["4", "6"], [1, 2], None]
+    good.write_text(
+        "".join(json.dumps({"problem": f"p{i}", "answer": a}) + "\n" for i, a in enumerate(answers))
+    )
+    want = ["x = 3", "12", "0.5", "4, 6", "1, 2"]  # null: no answer, its row dropped
+    assert [r["answer"] for r in common.load_problems(str(good))] == want
+    assert [r["answer"] for r in ev.load_benchmark(str(good), ev.Args())[2]] == want
+    assert grade("so \\boxed{4, 6}", "4, 6").correct  # graded as the user wrote it
+    assert not grade("so \\boxed{4}", "4, 6").correct
+    for bad, shown in [(True, "True"), ({"value": 4}, "{'value': 4}")]:
+        path = tmp_path / "bad.jsonl"
+        path.write_text(
+            '{"problem": "p", "answer": "1"}\n' + json.dumps({"problem": "q", "answer": bad})
+        )
+        for load in (common.load_problems, lambda p: ev.load_benchmark(p, ev.Args())):
+            with pytest.raises(
+                UserError, match=rf"bad\.jsonl', row 2: the answer {re.escape(shown)}"
+            ):
+                load(str(path))
+
+
+def _as_from_a_terminal():  # a child of `pytest &` or nohup inherits SIGINT / SIGHUP ignored
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("signals", [["SIGINT"], ["SIGINT", "SIGINT"], ["SIGTERM"], ["SIGHUP"]])
+def test_every_way_eval_is_stopped_is_one_line_and_the_rerun_finishes(tmp_path, signals):
+    """Issue 67: Ctrl-C was a KeyboardInterrupt traceback (user_errors re-raised it outside a
+    training run). Ctrl-C, a second Ctrl-C, SIGTERM and SIGHUP each end eval.py in one line,
+    nonzero, and --resume keeps what was written and adds the rest."""
+    argv = [sys.executable, str(ROOT / "eval.py"), "--model", "tiny", "--benchmarks", "tiny"]
+    argv += ["--eval-n", "64", "--n", "4", "--temperature", "1", "--gen-batch-size", "4"]
+    argv += ["--device", "cpu", "--output-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_as_from_a_terminal,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(tmp_path.glob("*.jsonl")):
+            time.sleep(0.1)
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    sig = getattr(signal, signals[0])
+    assert proc.returncode == 128 + sig, err[-2000:]
+    shown = "Ctrl-C" if sig == signal.SIGINT else signals[0]
+    said = [line for line in err.splitlines() if "stopped" in line]  # beside the progress bars
+    assert len(said) == 1 and f"stopped by {shown}: the samples written so far are kept" in said[0]
+    assert "Traceback" not in err and not (tmp_path / ".lock").exists()
+    (done,) = tmp_path.glob("*.jsonl")
+    assert ev.main([*argv[2:], "--resume"]) == 0
+    rows = read_jsonl(done)
+    assert sorted((r["idx"], r["sample"]) for r in rows) == [
+        (i, s) for i in range(64) for s in range(4)
+    ]

@@ -253,7 +253,7 @@ def test_resave_of_a_step_never_leaves_latest_dangling(tmp_path, tiny_dir):
     assert not list(tmp_path.glob(".trash-*")) and not list(tmp_path.glob(".tmp-*"))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
+def test_sigterm_saves_and_exits(tmp_path):
     run = tmp_path / "term"
     proc = subprocess.Popen(
         [
@@ -283,8 +283,8 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 143, out[-2000:]
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = runner.find_checkpoint(run)
-    assert runner.load_trainer_state(ckpt)["step"] == runner.read_metrics(run)[-1]["step"] >= 1
+    state = runner.load_trainer_state(runner.find_checkpoint(run))
+    assert state["step"] == runner.read_metrics(run)[-1]["step"] + ("row" in state) >= 1
 
 
 # ------------------------------------------------------ 3. one-line errors, before any model loads

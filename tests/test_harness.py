@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypat
 # =====================================================================================
 # Signals: SIGHUP (the terminal closed) saves as SIGTERM does
 # =====================================================================================
-def test_sighup_finishes_the_step_saves_and_exits_129(tmp_path):
+def test_sighup_saves_and_exits_129(tmp_path):
     """Issue 52: a run started in a terminal that closes (or over ssh that drops) got SIGHUP and
     died where it was, losing every step since the last checkpoint."""
     run = tmp_path / "hup"
@@ -258,11 +259,12 @@ def test_sighup_finishes_the_step_saves_and_exits_129(tmp_path):
         proc.kill()
         proc.wait()
     assert proc.returncode == 129, out[-2000:]
-    assert "SIGHUP: finishing this step, then saving a checkpoint" in out, out[-2000:]
+    assert "SIGHUP: stopped" in out or "SIGHUP: finishing this step's update" in out, out[-2000:]
     assert f"continue with: python grpo.py --resume {run}" in out
     assert "Traceback" not in out and not (run / ".lock").exists()
-    ckpt = runner.find_checkpoint(run)
-    assert runner.load_trainer_state(ckpt)["step"] == runner.read_metrics(run)[-1]["step"] >= 1
+    state = runner.load_trainer_state(runner.find_checkpoint(run))
+    # the last step logged, or (a stop after its update) the next, its figures saved with it
+    assert state["step"] == runner.read_metrics(run)[-1]["step"] + ("row" in state) >= 1
 
 
 # =====================================================================================
@@ -302,13 +304,43 @@ def test_ctrl_c_while_the_model_loads_stops_at_once_and_leaves_no_folder(
         return real(*a, **k)
 
     monkeypatch.setattr(grpo, "load_model", interrupted_load)
-    with pytest.raises(SystemExit) as e:
-        grpo.main([*FAST, "--steps", "3", "--output-dir", str(tmp_path), "--run-name", "c"])
+    # as a terminal starts Python (under `pytest &` SIGINT comes ignored, and stays so: below)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit) as e:
+            grpo.main([*FAST, "--steps", "3", "--output-dir", str(tmp_path), "--run-name", "c"])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert e.value.code == 130
     printed = capsys.readouterr()
     assert "Ctrl-C: stopped before the first step; nothing was saved" in printed.out + printed.err
     assert not (tmp_path / "c").exists() and not runner._ACTIVE_RUNS
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_stop_signal_started_ignored_stays_ignored(tmp_path, monkeypatch):
+    """Issue 67: a process started with SIGINT ignored (`cmd &`, nohup for SIGHUP, some CI
+    runners) keeps it ignored, by the shell's convention: the run installs no handler for it, and
+    restores the others' as they were."""
+    seen = {}
+    real = grpo.load_model
+
+    def spy(*a, **k):
+        seen.update({s: signal.getsignal(s) for s in runner.STOP_SIGNALS})
+        return real(*a, **k)
+
+    monkeypatch.setattr(grpo, "load_model", spy)
+    before = {s: signal.getsignal(s) for s in runner.STOP_SIGNALS}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        grpo.main([*FAST, "--steps", "1", "--output-dir", str(tmp_path), "--run-name", "bg"])
+        assert seen[signal.SIGINT] is signal.SIG_IGN  # not the run's
+        assert seen[signal.SIGTERM] not in (before[signal.SIGTERM], signal.SIG_IGN)  # the run's
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 # =====================================================================================
@@ -674,3 +706,90 @@ def test_a_second_ctrl_c_while_saving_is_one_line_and_the_checkpoint_stays_whole
     grpo.main(["--resume", str(run)])
     assert [r["step"] for r in runner.read_metrics(run)] == [1, 2, 3]
     assert runner.find_checkpoint(run).name == "checkpoint-3"
+
+
+# =====================================================================================
+# A stop signal in rollouts or an evaluation stops at once, and --resume redoes it exactly
+# =====================================================================================
+TIMES = ("time", "time/step", "tokens_per_s")
+
+
+def _figures(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMES} for r in runner.read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("where, sig", [("rollouts", "SIGTERM"), ("evaluation", "SIGHUP")])
+def test_a_stop_mid_rollout_or_evaluation_saves_at_once_and_resumes_exactly(
+    where, sig, tmp_path, monkeypatch, capsys
+):
+    """Issue 67: SIGTERM waited for the step to end, minutes at the gpu preset, past a spot
+    machine's grace. In step 3's rollouts (or its evaluation) a signal now stops at once and saves
+    step 2 (or step 3 with its figures), and the resumed run's metrics equal an unstopped run's."""
+    flags = [*FAST, "--eval-dataset", "tiny", "--eval-n", "4", "--eval-every", "3"]
+    flags += ["--steps", "4", "--save-every", "100", "--output-dir", str(tmp_path)]
+    tepo.main([*flags, "--run-name", "whole"])
+    slow, real = ("generate_rollouts", "evaluate")[where == "evaluation"], None
+    real = getattr(tepo, slow)
+    calls = []
+
+    def slowed(*a, **k):  # the third rollout (or the evaluation after step 3) takes a minute
+        calls.append(1)
+        if len(calls) == (3 if where == "rollouts" else 2):
+            timer = threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, sig)))
+            timer.start()
+            time.sleep(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tepo, slow, slowed)
+    began = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        tepo.main([*flags, "--run-name", "cut"])
+    assert time.perf_counter() - began < 30  # saved before the slowed call would have ended
+    assert e.value.code == 128 + getattr(signal, sig)
+    saved = 2 if where == "rollouts" else 3
+    printed = capsys.readouterr()
+    said = "in step 3's rollouts" if where == "rollouts" else "after step 3's update"
+    assert f"stopped {said}; saving step {saved}" in printed.out + printed.err
+    assert f"continue with: python tepo.py --resume {tmp_path / 'cut'}" in printed.err
+    assert runner.load_trainer_state(runner.find_checkpoint(tmp_path / "cut"))["step"] == saved
+    assert [r["step"] for r in runner.read_metrics(tmp_path / "cut")] == [0, 1, 2]
+    monkeypatch.setattr(tepo, slow, real)
+    tepo.main(["--resume", str(tmp_path / "cut")])
+    assert _figures(tmp_path / "cut") == _figures(tmp_path / "whole")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# =====================================================================================
+# A path from a flag or a file never leaves its folder
+# =====================================================================================
+def test_a_run_name_that_leaves_the_output_folder_is_one_line(tmp_path, one_line_error):
+    """Issue 67: --run-name ../x, an absolute one, or a/../../b trained and wrote outside
+    --output-dir, exit 0."""
+    out = tmp_path / "runs"
+    for name in ["../x", str(tmp_path / "abs"), "a/../../b", "a/b", "..", "."]:
+        err = one_line_error(grpo.main, [*FAST, "--output-dir", str(out), "--run-name", name])
+        assert f"--run-name {name!r} must be one folder name" in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written, in --output-dir or beside it
+
+
+def test_latest_naming_another_runs_checkpoint_is_not_followed(tmp_path, capsys):
+    """Issue 67: a `latest` naming a checkpoint of run B (relative or absolute), or a
+    checkpoint-N link to one, was followed: --resume A trained and wrote run B holding A's lock
+    only, and eval.py --model A scored B's checkpoint. A's own newest whole one is taken."""
+    for name in ("a", "b"):
+        flags = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "3"]
+        grpo.main([*FAST, *flags, "--output-dir", str(tmp_path), "--run-name", name])
+    a, b = tmp_path / "a", tmp_path / "b"
+    b_files = {p: p.stat().st_mtime_ns for p in b.rglob("*") if p.is_file()}
+    (a / "checkpoint-2").rename(a / "checkpoint-9")  # A's own newest: 9
+    (a / "checkpoint-12").symlink_to(b / "checkpoint-2")  # a link is not A's checkpoint
+    for latest in ("../b/checkpoint-2", str(b / "checkpoint-2"), "checkpoint-12"):
+        (a / "latest").write_text(latest + "\n")
+        assert runner.find_checkpoint(a) == a / "checkpoint-9"
+        assert "not a checkpoint of this run: not followed" in capsys.readouterr().err
+        assert ev.run_checkpoint(str(a)) == str(a / "checkpoint-9")
+    assert runner.whole_checkpoints(a) == [a / "checkpoint-9", a / "checkpoint-1"]
+    grpo.main(["--resume", str(a), "--steps", "11", "--keep-checkpoints", "1"])
+    assert runner.read_metrics(a)[-1]["step"] == 11 and (a / "checkpoint-11").is_dir()
+    assert (a / "checkpoint-12").is_symlink() and (b / "checkpoint-2" / "optimizer.pt").is_file()
+    assert {p: p.stat().st_mtime_ns for p in b.rglob("*") if p.is_file()} == b_files

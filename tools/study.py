@@ -542,7 +542,7 @@ def _stop(signum, frame):  # SIGTERM on the study: stop like Ctrl-C
 
 def run_jobs(jobs: list[Job], n_parallel: int, poll_s: float = 0.5) -> list[str]:
     """Run every job, n_parallel at a time; returns the names of those that failed. On Ctrl-C
-    or SIGTERM each running script gets SIGTERM (finish the step, save a checkpoint), the study
+    or SIGTERM each running script gets SIGTERM (it saves a checkpoint and stops), the study
     waits for them and exits 130: the same command then resumes them."""
     env, failed, waiting, running = child_env(n_parallel), [], list(jobs), []
     bar = tqdm(total=len(jobs), desc="study", unit="run", dynamic_ncols=True)
