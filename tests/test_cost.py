@@ -233,3 +233,10 @@ def test_bad_input_to_the_tool_is_one_line(argv, message, capsys):
         cost.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "\n" not in err and message in err, err
+
+
+def test_the_readmes_gpu_table_is_the_tools_estimate():
+    """The README's per-card table is what tools/cost.py computes now (offline, bundled config)."""
+    readme = (ROOT / "README.md").read_text()
+    for row in cost.card_table():
+        assert row in readme, row

@@ -514,6 +514,34 @@ def script_args(script: str, argv: list[str]):
     return mod, mod.resolve_args(args)
 
 
+# The README's table: tepo.py --model Qwen2.5-Math-1.5B on each card (tests/test_cost.py checks it)
+CARDS = [
+    ("A100 80GB", []),
+    ("H100 80GB", []),
+    ("H100 80GB", ["--max-new-tokens", "2048"]),
+    ("RTX 4090", ["--lora-rank", "64"]),
+    ("A10G", ["--lora-rank", "64"]),
+    ("L4", ["--lora-rank", "64"]),
+]
+
+
+def card_table(model_name: str = "Qwen2.5-Math-1.5B") -> list[str]:
+    """The README's rows: tepo.py's estimate on each card of CARDS, as tools/cost.py prints it."""
+    rows = []
+    for gpu, flags in CARDS:
+        mod, args = script_args("tepo.py", ["--model", model_name, *flags])
+        model, ref = model_shapes(args.model), mod.needs_reference(args)
+        fit_gen_rows(args, model, None, ref, usable(GPUS[gpu][0]))
+        s, p = summary(args, model, None, ref, gpu), None
+        p = s["phases"]
+        rows.append(
+            f"| {gpu} | {' '.join(flags) or '(none)'} | {s['gen_rows']} | "
+            f"{s['decode_step_ms']:.0f} | {p['generate']:.1f} | {p['train']:.1f} | "
+            f"{p['eval']:.1f} | **{s['hours']:.1f}** | {s['peak_gb']:.1f} |"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
