@@ -171,9 +171,9 @@ PRESETS = {
         warmup_steps=10,
         num_mini_batches=4,
         micro_batch_size=4,
-        gen_batch_size=64,
-        eval_every=50,
-        eval_n=500,
+        gen_batch_size=None,  # all P x G in one generate() call; a CUDA run lowers it to fit
+        eval_every=100,  # in-training evaluation, light: final figures come from eval.py
+        eval_n=256,
         save_every=50,
     ),
 }

@@ -124,7 +124,7 @@ def test_smoke_cli(tmp_path):
 def test_estimate_only_and_bad_flags(capsys):
     bench.main(["--estimate-only"])
     text = capsys.readouterr().out
-    assert "ESTIMATE, NOT MEASURED ON A GPU" in text and "| A100 80GB SXM | grpo | 256 |" in text
+    assert "ESTIMATE, NOT MEASURED ON A GPU" in text and "| A100 80GB | grpo | 256 |" in text
     for argv, message in (
         (["--steps", "0"], "--steps must be at least 1"),
         (["--scripts", "grpo,nope"], "unknown script 'nope'"),
@@ -328,66 +328,6 @@ def test_trl_config_rejects_partial_micro_batches():
         bench.trl_config_kwargs(a, "/tmp/x", 1)
 
 
-def test_real_run_estimate_on_a_toy_model():
-    """1e9 parameters, no embedding, one layer with one KV head of size 1 (4 bytes of K and V per
-    token in bf16), 1 GB/s and 1e11 FLOP/s at 50%: every number below by hand."""
-    toy = dict(params=1e9, embed=0, layers=1, kv_heads=1, head_dim=1, hidden=1, vocab=1)
-    e = cost.real_run_estimate(
-        P=1,
-        G=2,
-        max_new_tokens=10,
-        gen_batch_size=2,
-        mean_completion=5,
-        prompt_len=0,
-        ref=True,
-        launch_s=0.02,
-        mfu=0.5,
-        bandwidth=1e9,
-        flops=1e11,
-        model=toy,
-    )
-    # decode step: (2 bytes x 1e9 weights + 3 x KV of 2 rows x 5 mean positions x 4 B) / 1e9 B/s
-    assert e["memory_step_s"] == pytest.approx((2e9 + 3 * 40) / 1e9)
-    assert e["decode_step_s"] == e["memory_step_s"]  # above the 20 ms launch floor
-    assert e["generate_s"] == pytest.approx(10 * (2e9 + 120) / 1e9)  # one call, 10 steps
-    # train: 6 passes (old, ref, update x 4) x (20 positions x 2e9 + 10 valid x 2 FLOP) / 5e10
-    assert e["train_s"] == pytest.approx(6 * (20 * 2e9 + 10 * 2) / 5e10)
-    assert e["tokens_per_s"] == pytest.approx(10 / (e["generate_s"] + e["train_s"]))
-    # launch-bound: a faster memory changes nothing; a critic adds 5 passes
-    fast = cost.real_run_estimate(
-        P=1,
-        G=2,
-        max_new_tokens=10,
-        gen_batch_size=2,
-        prompt_len=0,
-        bandwidth=1e15,
-        model=toy,
-        launch_s=0.02,
-    )
-    assert fast["decode_step_s"] == 0.02 and fast["generate_s"] == pytest.approx(0.2)
-    critic = cost.real_run_estimate(
-        P=1,
-        G=2,
-        max_new_tokens=10,
-        gen_batch_size=2,
-        mean_completion=5,
-        prompt_len=0,
-        critic=True,
-        mfu=0.5,
-        flops=1e11,
-        model=toy,
-    )
-    assert critic["train_s"] == pytest.approx(11 * (20 * 2e9 + 10 * 2) / 5e10)
-    # GRPO's preset on an A100 80GB, Qwen2.5-Math-1.5B: 256 completions in 4 generate() calls
-    e = cost.real_run_estimate(P=32, G=8, model=bench.QWEN_MATH_1_5B)
-    assert (e["generate_calls"], round(1e3 * e["memory_step_s"], 1), e["generate_s"]) == (
-        4,
-        6.1,
-        240,
-    )
-    assert round(e["train_s"]) == 106
-
-
 def test_the_estimate_asks_each_script_whether_it_loads_a_reference(monkeypatch):
     """The memory table reads needs_reference from each script, not a table of its own: a script
     that stops loading one gets the row of a script without one."""
@@ -395,9 +335,12 @@ def test_the_estimate_asks_each_script_whether_it_loads_a_reference(monkeypatch)
 
     monkeypatch.setattr(grpo, "needs_reference", lambda args: False)
     row = next(r for r in bench.estimate_report().splitlines() if r.startswith("| grpo | "))
-    full, lora = (cost.memory_estimate(False, r, model=bench.QWEN_MATH_1_5B) for r in (0, 64))
+    a = bench.gpu_preset("grpo")
+    kw = dict(gen_batch_size=256, micro_batch_size=4, context=4096, model=bench.QWEN_MATH_1_5B)
+    full, lora = (cost.memory_estimate(False, r, **kw) for r in (0, 64))
+    assert a.prompts_per_step * a.group_size == 256 and a.gen_batch_size is None  # all in one call
     assert f"**{full['peak'] / 1e9:.1f}** | " in row and f"**{lora['peak'] / 1e9:.1f}** | " in row
-    shown = cost.memory_estimate(True, 0, model=bench.QWEN_MATH_1_5B)["peak"]
+    shown = cost.memory_estimate(True, 0, **kw)["peak"]
     assert shown != full["peak"]  # it would have shown
 
 

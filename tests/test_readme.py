@@ -29,7 +29,7 @@ def readme_presets() -> dict[str, tuple[str, str, str]]:
 
 def same(cell: str, value) -> bool:
     if value is None:
-        return cell == "all"
+        return cell.split(" (")[0] == "all"
     if isinstance(value, float):
         return float(cell) == value
     return cell == str(value)

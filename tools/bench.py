@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import runner  # noqa: E402
 from common import UserError, arg  # noqa: E402
-from tools.cost import GPUS, memory_estimate, real_run_estimate  # noqa: E402
+from tools import cost  # noqa: E402
 from tools.diagnostics import patched  # noqa: E402
 from tools.study import script_available  # noqa: E402
 
@@ -1092,8 +1092,8 @@ def real_presets() -> dict[str, tuple[int, int, bool, bool]]:
     model (its needs_reference), whether it trains a critic (it has load_critic)."""
     out = {}
     for name in SCRIPTS:
+        a = gpu_preset(name)
         mod = importlib.import_module(name)
-        a = mod.resolve_args(mod.Args(preset="gpu", device="cpu", run_name="estimate"))
         out[name] = (
             a.prompts_per_step,
             a.group_size,
@@ -1103,6 +1103,16 @@ def real_presets() -> dict[str, tuple[int, int, bool, bool]]:
     return out
 
 
+def gpu_preset(name: str):
+    """A script's flags on its gpu preset, as on one CUDA GPU (bf16, gradient checkpointing)."""
+    mod = importlib.import_module(name)
+    return mod.resolve_args(
+        mod.Args(
+            preset="gpu", device="cpu", run_name="estimate", bf16=True, gradient_checkpointing=True
+        )
+    )
+
+
 def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: int = 64) -> str:
     """Each script's real-preset peak for Qwen2.5-Math-1.5B, full fine-tuning against LoRA;
     `presets` are real_presets(): whether a script loads a reference model is its own say."""
@@ -1110,23 +1120,33 @@ def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: in
     def gb(x):
         return f"{x / 1e9:.1f}"
 
+    def peak(name, ref, critic, rank, total=None):  # total: rows lowered to fit, as a run does
+        a, model = gpu_preset(name), dict(QWEN_MATH_1_5B, context=4096)
+        a.lora_rank = rank
+        if total:
+            cost.fit_gen_rows(a, model, critic, ref, cost.usable(total))
+        return cost.run_cost(a, model, critic, ref)[0], a.gen_batch_size
+
     lines = [
-        "GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, generate() batches "
-        "of 64, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU (common.py, "
-        "memory_estimate); GB.",
+        "GPU memory for Qwen2.5-Math-1.5B, real preset (3000 new tokens, all P x G rollouts in "
+        "one generate() call, micro-batches of 4): ESTIMATE, NOT MEASURED ON A GPU "
+        "(tools/cost.py, memory_estimate); GB.",
         "",
         f"| script | full: train / generate / peak | LoRA r={lora_rank}: train / generate / "
-        f"peak | fits 24 GB with LoRA |",
+        f"peak | 24 GB with LoRA |",
         "|---|---|---|---|",
     ]
     for name, (_, _, ref, has_critic) in presets.items():
         critic = QWEN_MATH_1_5B if has_critic else None
-        full = memory_estimate(ref, 0, critic, model=QWEN_MATH_1_5B)
-        lora = memory_estimate(ref, lora_rank, critic, model=QWEN_MATH_1_5B)
-        fits = "yes, as is" if lora["peak"] < 24e9 else ""
+        (full, _), (lora, _) = peak(name, ref, critic, 0), peak(name, ref, critic, lora_rank)
+        small, rows = peak(name, ref, critic, lora_rank, 24 * 2**30)
+        fits = f"{gb(small['peak'])} (`--gen-batch-size {rows}`, set by the check)"
         if has_critic:  # SAPO: its critic from a smaller model
-            small = memory_estimate(ref, lora_rank, QWEN_0_5B, model=QWEN_MATH_1_5B)
-            fits = f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])}"
+            small, rows = peak(name, ref, QWEN_0_5B, lora_rank, 24 * 2**30)
+            fits = (
+                f"with `--critic-model Qwen/Qwen2.5-0.5B`: {gb(small['peak'])} "
+                f"(`--gen-batch-size {rows}`)"
+            )
         lines.append(
             f"| {name} | {gb(full['train'])} / {gb(full['generate'])} / "
             f"**{gb(full['peak'])}** | {gb(lora['train'])} / {gb(lora['generate'])} / "
@@ -1136,41 +1156,27 @@ def memory_report(presets: dict[str, tuple[int, int, bool, bool]], lora_rank: in
 
 
 def estimate_report() -> str:
-    """The real run's expected throughput (Qwen2.5-Math-1.5B), for each script's preset."""
+    """The real run's expected hours (Qwen2.5-Math-1.5B), each script's preset, per GPU."""
     lines = [
-        "Real run, Qwen2.5-Math-1.5B, 3000 new tokens, generate() batches of 64: "
-        "ESTIMATE, NOT MEASURED ON A GPU.",
-        "Assumptions (common.py, real_run_estimate): mean completion 600 tokens, prompt 200; "
-        "a decode step costs max(memory time, 20 ms of eager launch overhead); training at "
-        "40% of the dense bf16 FLOP/s; DAPO: one sampling round per step.",
+        "Real run, Qwen2.5-Math-1.5B, each script's gpu preset: ESTIMATE, NOT MEASURED ON A GPU "
+        "(tools/cost.py, time_estimate; its CONSTANTS and their sources). DAPO: one sampling "
+        "round per step.",
         "",
-        "| GPU | script | completions | decode step (memory-bound) | generate | train | step "
-        "| 500 steps | valid tokens/s | decoded tokens/s |",
-        "|---" * 10 + "|",
+        "| GPU | script | rows per generate() | decode step ms (host / memory) | generate h "
+        "| train h | eval h | hours |",
+        "|---" * 8 + "|",
     ]
-    presets = real_presets()
-    for gpu, (bandwidth, flops) in GPUS.items():
-        for name, (P, G, ref, critic) in presets.items():
-            e = real_run_estimate(
-                P, G, ref=ref, critic=critic, bandwidth=bandwidth, flops=flops, model=QWEN_MATH_1_5B
-            )
+    model = dict(QWEN_MATH_1_5B, context=4096)
+    for gpu in ("A100 80GB", "H100 80GB"):
+        for name, (_, _, ref, critic) in real_presets().items():
+            s = cost.summary(gpu_preset(name), model, model if critic else None, ref, gpu)
+            p = s["phases"]
             lines.append(
-                f"| {gpu} | {name} | {e['completions']} | "
-                f"{1e3 * e['decode_step_s']:.0f} ms ({1e3 * e['memory_step_s']:.1f} ms) | "
-                f"{e['generate_s'] / 60:.1f} min | "
-                f"{e['train_s'] / 60:.1f} min | {e['step_s'] / 60:.1f} min | "
-                f"{500 * e['step_s'] / 3600:.0f} h | {e['tokens_per_s']:.0f} | "
-                f"{e['decode_tokens_per_s']:.0f} |"
+                f"| {gpu} | {name} | {s['gen_rows']} | {s['decode_step_ms']:.1f} "
+                f"({s['decode_host_ms']:.1f} / {s['decode_memory_ms']:.1f}) | "
+                f"{p['generate']:.1f} | {p['train']:.1f} | {p['eval']:.1f} | {s['hours']:.1f} |"
             )
-    lines += [
-        "",
-        "Generation dominates and is bound by launch overhead, not memory bandwidth: a "
-        "static KV cache with CUDA graphs (torch.compile) or vLLM would bring the decode "
-        "step towards the memory-bound time in brackets. A real run logs `time/step` and "
-        "`tokens_per_s` in metrics.jsonl (tools/gpu_check.py times its phases): check these "
-        "numbers there.",
-    ]
-    return "\n".join(lines + ["", memory_report(presets)])
+    return "\n".join(lines + ["", memory_report(real_presets())])
 
 
 # =====================================================================================

@@ -220,7 +220,8 @@ def qwen_shaped_model(folder: Path, small: bool) -> tuple[dict, str]:
 
 def on_gpu(device: torch.device) -> str:
     """The GPU of cost.GPUS whose figures the estimates take, as the run's own check does."""
-    return cost.gpu_of(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return cost.gpu_of(name) or cost.FALLBACK_GPU
 
 
 def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
@@ -275,7 +276,8 @@ def real_shapes(a: Args, out: Path) -> tuple[Path, dict]:
         say(
             f"| {name} | {r['time/generate']:.1f} | {t['generate_s']:.1f} | "
             f"{r['time/old_logp']:.1f} | {r['time/ref_logp']:.1f} | {r['time/update']:.1f} | "
-            f"{r['time/step']:.1f} | {t['step_s']:.1f} | {peak_gb(device):.1f} | "
+            f"{r['time/step']:.1f} | {t['generate_s'] + t['train_s']:.1f} | "
+            f"{peak_gb(device):.1f} | "
             f"{memory['peak'] / 1e9:.1f} |"
         )
     say(
@@ -294,10 +296,8 @@ def generate_speed(a: Args, folder: Path, shape: dict) -> None:
     device = runner.resolve_device(a.device)
     rows, new = (8, 16) if a.small else (64, 256)
     say(f"\n## 3. generate() on that model: {rows} rows x {new} forced new tokens, bf16\n")
-    bandwidth, flops = cost.GPUS[on_gpu(device)]
-    e = cost.real_run_estimate(
-        rows, 1, new, rows, prompt_len=24, bandwidth=bandwidth, flops=flops, model=shape
-    )
+    bandwidth = cost.GPUS[on_gpu(device)][1]
+    host, memory = cost.decode_step(rows, 24 + new // 2, shape, bandwidth, cost.CONSTANTS)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
     ids = torch.randint(0, 200, (rows, 24), device=device)
     say("| cache | first call s (compile) | tokens/s | estimate tokens/s |")
@@ -324,7 +324,7 @@ def generate_speed(a: Args, folder: Path, shape: dict) -> None:
                 torch.cuda.synchronize(device)
             times.append(time.time() - t0)
         # the estimate's: dynamic, launch-bound eager steps; static, its memory-bound ceiling
-        est = e["decode_tokens_per_s"] if cache == "dynamic" else rows / e["memory_step_s"]
+        est = rows / max(host, memory) if cache == "dynamic" else rows / memory
         say(
             f"| {cache}{' (compiled)' if cache == 'static' and not a.small else ''} | "
             f"{times[0]:.1f} | {rows * new / times[1]:.0f} | {est:.0f} |"
