@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -44,3 +45,23 @@ def one_line_error(capsys):
         return last
 
     return run
+
+
+@pytest.fixture
+def terminal_signals():
+    """A preexec_fn that starts a child's stop signals as a terminal does: a child of `pytest &`
+    inherits SIGINT ignored (of nohup, SIGHUP), and a run then leaves it so."""
+
+    def reset():
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
+    return reset
+
+
+@pytest.fixture
+def terminal_sigint():
+    """This process's SIGINT as a terminal starts Python, for a test that raises it in-process."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -1335,7 +1335,7 @@ def test_help_says_each_default_once(capsys):
 def test_errors_take_the_scripts_one_line_path(tmp_path, monkeypatch, one_line_error):
     entered = []
     real = runner.user_errors
-    monkeypatch.setattr(runner, "user_errors", lambda: entered.append(1) or real())
+    monkeypatch.setattr(runner, "user_errors", lambda *a: entered.append(1) or real(*a))
     err = one_line_error(ev.main, ["--benchmarks", "math501", "--output-dir", str(tmp_path)])
     assert entered and err.startswith("error: unknown benchmark 'math501'")
 
@@ -1446,13 +1446,10 @@ def test_every_json_type_of_gold_answer_is_one_rule_in_training_and_eval(tmp_pat
                 load(str(path))
 
 
-def _as_from_a_terminal():  # a child of `pytest &` or nohup inherits SIGINT / SIGHUP ignored
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("signals", [["SIGINT"], ["SIGINT", "SIGINT"], ["SIGTERM"], ["SIGHUP"]])
-def test_every_way_eval_is_stopped_is_one_line_and_the_rerun_finishes(tmp_path, signals):
+def test_every_way_eval_is_stopped_is_one_line_and_the_rerun_finishes(
+    tmp_path, signals, terminal_signals
+):
     """Issue 67: Ctrl-C was a KeyboardInterrupt traceback (user_errors re-raised it outside a
     training run). Ctrl-C, a second Ctrl-C, SIGTERM and SIGHUP each end eval.py in one line,
     nonzero, and --resume keeps what was written and adds the rest."""
@@ -1461,7 +1458,7 @@ def test_every_way_eval_is_stopped_is_one_line_and_the_rerun_finishes(tmp_path, 
     argv += ["--device", "cpu", "--output-dir", str(tmp_path)]
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_as_from_a_terminal,
+        preexec_fn=terminal_signals,
     )  # fmt: skip
     try:
         deadline = time.time() + 120

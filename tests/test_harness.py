@@ -224,7 +224,7 @@ def test_a_lock_removed_as_its_holder_ends_is_not_held_twice(tmp_path, monkeypat
 # =====================================================================================
 # Signals: SIGHUP (the terminal closed) saves as SIGTERM does
 # =====================================================================================
-def test_sighup_saves_and_exits_129(tmp_path):
+def test_sighup_saves_and_exits_129(tmp_path, terminal_signals):
     """Issue 52: a run started in a terminal that closes (or over ssh that drops) got SIGHUP and
     died where it was, losing every step since the last checkpoint."""
     run = tmp_path / "hup"
@@ -246,6 +246,7 @@ def test_sighup_saves_and_exits_129(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=terminal_signals,
     )
     try:
         deadline = time.time() + 180
@@ -293,7 +294,7 @@ def test_a_model_that_fails_to_load_leaves_no_run_folder(tmp_path, one_line_erro
 
 
 def test_ctrl_c_while_the_model_loads_stops_at_once_and_leaves_no_folder(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, terminal_sigint
 ):
     """The first Ctrl-C said "finishing this step, then saving" while the model was still
     loading, then trained a whole step: there is no step to finish yet."""
@@ -304,14 +305,9 @@ def test_ctrl_c_while_the_model_loads_stops_at_once_and_leaves_no_folder(
         return real(*a, **k)
 
     monkeypatch.setattr(grpo, "load_model", interrupted_load)
-    # as a terminal starts Python (under `pytest &` SIGINT comes ignored, and stays so: below)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(SystemExit) as e:
-            grpo.main([*FAST, "--steps", "3", "--output-dir", str(tmp_path), "--run-name", "c"])
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
-    finally:
-        signal.signal(signal.SIGINT, before)
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*FAST, "--steps", "3", "--output-dir", str(tmp_path), "--run-name", "c"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # what was there
     assert e.value.code == 130
     printed = capsys.readouterr()
     assert "Ctrl-C: stopped before the first step; nothing was saved" in printed.out + printed.err
@@ -660,7 +656,7 @@ def test_hand_edited_saved_flags_are_checked_as_the_command_line(tmp_path, one_l
 
 @pytest.mark.parametrize("at", [2, 1])
 def test_a_second_ctrl_c_while_saving_is_one_line_and_the_checkpoint_stays_whole(
-    at, tmp_path, monkeypatch, capsys
+    at, tmp_path, monkeypatch, capsys, terminal_sigint
 ):
     """Ctrl-C, then Ctrl-C again while checkpoint-<at> is being written: the process stops at
     once (exit 130) with one line, not a KeyboardInterrupt traceback; the checkpoint before it is
@@ -673,7 +669,7 @@ def test_a_second_ctrl_c_while_saving_is_one_line_and_the_checkpoint_stays_whole
     def interrupted(obj, f, *a, **k):  # the user's two Ctrl-C, half-way through checkpoint-<at>
         if str(f).endswith("trainer_state.pt") and obj["step"] == at:
             Path(f).write_bytes(b"\0" * 10)
-            signal.raise_signal(signal.SIGINT)  # the first: finish the step and save
+            signal.raise_signal(signal.SIGINT)  # the first: in the end step's save, heard after
             signal.raise_signal(signal.SIGINT)  # the second: stop now
         return real_save(obj, f, *a, **k)
 

@@ -229,7 +229,7 @@ def test_short_seeded_run_learns(name, tmp_path):
     assert last >= first + 0.07, (first, last)
 
 
-def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path, terminal_signals):
     """The first Ctrl-C lets the step finish, saves it, exits 130; the run resumes from there."""
     import signal
     import subprocess
@@ -259,6 +259,7 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=terminal_signals,
     )
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "metrics.jsonl").is_file():
@@ -271,7 +272,7 @@ def test_ctrl_c_saves_a_checkpoint_then_exits(tmp_path):
     assert "Traceback" not in out and not (run / ".lock").exists()
     ckpt = runner.find_checkpoint(run)
     state = runner.load_trainer_state(ckpt)
-    last_logged = runner.read_metrics(run)[-1]["step"]
+    last_logged = runner.read_metrics(run)[-1]["step"] + ("row" in state)  # saved after update
     assert state["step"] == last_logged == int(ckpt.name.split("-")[1]) >= 1
 
 
