@@ -185,6 +185,9 @@ def resolve_run_args(args, algo: str, presets: dict[str, dict], min_group: int =
     if args.threads is None:
         args.threads = int(omp) if omp.isdigit() and int(omp) > 0 else torch.get_num_threads()
     args.bf16 = cuda if args.bf16 is None else args.bf16
+    if cuda and args.bf16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(resolve_device(args.device))
+        raise UserError(f"{name} has no bf16 (before Ampere): run with --bf16 false (fp32)")
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = cuda
     if args.run_name is None:
@@ -1025,6 +1028,13 @@ class Run:
         """Register what a checkpoint holds (models by subfolder, "" for the policy; objects with
         state_dict / load_state_dict, those named *optimizer* kept only in the newest checkpoint).
         On --resume load their saved state and the RNG. Returns the step to start after."""
+        need = sum(3 * _bytes(m) for m in models.values())  # weights, and AdamW's 2 moments
+        free = shutil.disk_usage(self.dir).free
+        if free < need:  # the first save would fail, hours in
+            raise UserError(
+                f"a checkpoint of this run needs about {_mb(need)} and {self.dir} has {_mb(free)} "
+                f"free: free some space, or give another --output-dir"
+            )
         self.models, self.tokenizer, self.stateful = models, tokenizer, state
         self.phase = "start"
         if self.state is None:

@@ -134,3 +134,20 @@ def test_resolve_model_names(tmp_path):
         runner.resolve_model_name("NoSuchThing")
     with pytest.raises(common.UserError):
         runner.resolve_model_name("./missing/folder")
+
+
+def test_adamw_is_fused_on_cuda(monkeypatch):
+    """Issue 66: on CUDA, AdamW's default foreach step makes a ~6 GB temporary at 1.5 B."""
+    seen, real = [], torch.optim.AdamW
+
+    def recording(params, *a, fused=None, **k):
+        seen.append(fused)
+        return real([torch.nn.Parameter(torch.zeros(1))], *a, **k)
+
+    class OnCuda:
+        is_cuda = True
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording)
+    common.make_optimizer([torch.nn.Parameter(torch.zeros(1))], common.RunArgs())
+    common.make_optimizer([OnCuda()], common.RunArgs())
+    assert seen == [False, True]

@@ -138,6 +138,7 @@ def test_on_cuda_the_check_runs_before_any_model_loads(
     run stops in one line naming the flag, and no model was loaded and no run folder left."""
     mod = importlib.import_module(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **k: True)
     gpu = types.SimpleNamespace(total_memory=24 * 10**9, name="NVIDIA L4")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
 

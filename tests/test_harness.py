@@ -789,3 +789,31 @@ def test_latest_naming_another_runs_checkpoint_is_not_followed(tmp_path, capsys)
     assert runner.read_metrics(a)[-1]["step"] == 11 and (a / "checkpoint-11").is_dir()
     assert (a / "checkpoint-12").is_symlink() and (b / "checkpoint-2" / "optimizer.pt").is_file()
     assert {p: p.stat().st_mtime_ns for p in b.rglob("*") if p.is_file()} == b_files
+
+
+# =====================================================================================
+# What a CPU cannot meet on its own: a GPU without bf16, a disk too small for a checkpoint
+# =====================================================================================
+def test_a_gpu_without_bf16_is_one_line_naming_the_flag(monkeypatch):
+    """Issue 66: a pre-Ampere GPU (V100, T4) has no bf16, which a CUDA run uses by default."""
+    monkeypatch.setattr(runner, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-16GB")
+    args = runner.parse_args(grpo.Args, [*FAST, "--device", "cuda"])
+    with pytest.raises(UserError, match="V100-SXM2-16GB has no bf16 .*: run with --bf16 false"):
+        runner.resolve_run_args(args, "grpo", grpo.PRESETS)
+    args = runner.parse_args(grpo.Args, [*FAST, "--device", "cuda", "--bf16", "false"])
+    runner.resolve_run_args(args, "grpo", grpo.PRESETS)
+    assert args.bf16 is False and args.gradient_checkpointing is True
+
+
+def test_a_disk_too_small_for_a_checkpoint_is_one_line_before_the_first_step(
+    tmp_path, monkeypatch, one_line_error
+):
+    """Issue 66: the first save found the disk full, hours in (a full-model checkpoint of a 1.5 B
+    model with its optimizer is ~18 GB)."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10**6))
+    err = one_line_error(grpo.main, [*FAST, "--output-dir", str(tmp_path), "--run-name", "d"])
+    assert "a checkpoint of this run needs about" in err and "has 1.0 MB free" in err
+    assert not (tmp_path / "d").exists()  # the run never began: its folder is gone

@@ -152,6 +152,7 @@ def test_the_preset_is_picked_by_model_and_device(mod, real_llama, monkeypatch):
     assert (full.preset, full.lora_rank, full.lr) == ("cpu", 0, mod.PRESETS["cpu"]["lr"])
     assert mod.resolve_args(runner.parse_args(mod.Args, argv[:-2])).lora_rank == 16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: the real run's preset
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **k: True)
     gpu = resolved(model=str(real_llama), device="auto")
     assert (gpu.preset, gpu.max_new_tokens, gpu.lora_rank, gpu.lr) == ("gpu", 3000, 0, 1e-6)
     assert resolved(device="auto").preset == "tiny"  # the tiny model keeps its preset on a GPU
