@@ -119,6 +119,7 @@ def test_the_real_model_table_is_the_studys_results_csv():
     configs = {"dapo.py": "dapo", "tepo.py": "tepo-len-token"}
     now = "micro-batch 2"
     landed = {c for (c, preset, seed, step) in greedy if (preset, seed, step) == (now, 1, 60)}
+    landed -= {"tepo-len-token-kl0", "tepo-len-token-klall"}  # PLAN-kl-real's arms: no command
     shown = set()
     for command, acc, gain, peak, before in rows:
         script = command.split("`")[1]
