@@ -249,7 +249,7 @@ def train(args: Args) -> dict:
     sampler = common.PromptSampler(train_rows, args.seed, args.dataset)
     state = dict(optimizer=optimizer, scheduler=scheduler, sampler=sampler)
     start = run.attach({"": policy}, tokenizer, state)  # what a checkpoint holds
-    if eval_rows and run.eval_due(start):  # step 0, or a step a stop saved before it
+    if eval_rows and run.eval_due(start):  # step 0, or a step whose evaluation a stop cut short
         run.log(start, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
     P, G = args.prompts_per_step, args.group_size

@@ -793,7 +793,7 @@ def train(args: Args) -> dict:
         critic_scheduler=critic_scheduler,
     )  # SAPO
     start = run.attach({"": policy, "critic": critic}, tokenizer, state)  # what a checkpoint holds
-    if eval_rows and run.eval_due(start):  # step 0, or a step a stop saved before it
+    if eval_rows and run.eval_due(start):  # step 0, or a step whose evaluation a stop cut short
         run.log(start, evaluate(policy, tokenizer, eval_rows, args, eos_ids, device))
 
     P, G = args.prompts_per_step, args.group_size
